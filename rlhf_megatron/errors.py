@@ -1,0 +1,17 @@
+"""Typed errors for users. Each carries a one-line message that names the offending values."""
+
+
+class RlhfMegatronError(Exception):
+    """Base class of every error this package raises for bad user input."""
+
+
+class ConfigError(RlhfMegatronError, ValueError):
+    """A configuration value is invalid; the message names the field, the value and what is valid."""
+
+
+class LayoutError(ConfigError):
+    """A parallel layout (TP/PP/VPP/CP/EP/DP) does not fit the world size, the model or the device."""
+
+
+class UnsupportedArchitectureError(ConfigError):
+    """The HF `architectures` field names a model this package has no registry entry for."""

@@ -1,0 +1,171 @@
+"""HF config -> Megatron TransformerConfig plus the GPTModel arguments.
+
+`MegatronModelArgs` is everything needed to build the same network at any parallel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.registry import ArchitectureSpec
+from rlhf_megatron.parallel.dims import ParallelDims
+from rlhf_megatron.platform import Platform, current_platform
+
+# Megatron-LM pads the vocabulary to a multiple of 128 * tp so each TP shard stays GEMM-friendly.
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+@dataclass(frozen=True)
+class MegatronModelArgs:
+    """What `build_gpt_model` needs besides pre/post_process.
+
+    vocab_size: the HF vocabulary size; padded_vocab_size: after padding for TP.
+    """
+
+    transformer_config: Any  # megatron.core.transformer.TransformerConfig
+    vocab_size: int
+    padded_vocab_size: int
+    max_sequence_length: int
+    rotary_base: float
+    rope_scaling_factor: float | None
+    tie_word_embeddings: bool
+    use_te_spec: bool
+
+
+def pad_vocab_size(vocab_size: int, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Smallest multiple of divisor * tp that holds `vocab_size` (Megatron-LM's rule)."""
+    multiple = divisor * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def head_dim_of(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    # transformers >= 5 keeps RoPE settings in `rope_parameters`; 4.x in rope_theta/rope_scaling.
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _rope_scaling_factor(params: dict[str, Any]) -> float | None:
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return None
+    # Megatron's RotaryEmbedding implements Llama 3.1 scaling with fixed low/high frequency
+    # factors 1 and 4 and an original context of 8192; other values cannot be reproduced.
+    llama3_fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+    if rope_type == "llama3" and all(
+        float(params.get(k, v)) == v for k, v in llama3_fixed.items()
+    ):
+        return float(params["factor"])
+    raise ConfigError(f"rope scaling {params!r} is unsupported (default or Llama 3.1 llama3 only)")
+
+
+def _check_sliding_window(hf_config: Any, max_sequence_length: int) -> None:
+    window = getattr(hf_config, "sliding_window", None)
+    enabled = getattr(hf_config, "use_sliding_window", window is not None)
+    if enabled and window is not None and window < max_sequence_length:
+        raise ConfigError(
+            f"sliding_window={window} < max_sequence_length={max_sequence_length}: sliding-window "
+            f"attention is unsupported; set max_sequence_length <= {window}"
+        )
+
+
+def hf_to_megatron_args(
+    hf_config: Any,
+    spec: ArchitectureSpec,
+    dims: ParallelDims,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    max_sequence_length: int | None = None,
+    recompute_activations: bool = False,
+    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR,
+    platform: Platform | None = None,
+) -> MegatronModelArgs:
+    """Translate an HF decoder config into Megatron's config for layout `dims`."""
+    from megatron.core.transformer import TransformerConfig
+
+    from rlhf_megatron.platform import transformer_engine_available
+
+    platform = platform or current_platform()
+    dims.validate_for_model(
+        num_attention_heads=hf_config.num_attention_heads,
+        num_key_value_heads=hf_config.num_key_value_heads,
+        num_layers=hf_config.num_hidden_layers,
+    )
+    if hf_config.intermediate_size % dims.tp:
+        raise ConfigError(
+            f"intermediate_size={hf_config.intermediate_size} is not divisible by tp={dims.tp}"
+        )
+    max_sequence_length = max_sequence_length or hf_config.max_position_embeddings
+    _check_sliding_window(hf_config, max_sequence_length)
+    rope = _rope_parameters(hf_config)
+    use_te = platform.is_cuda and transformer_engine_available()
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1} if recompute_activations else {}
+    config = TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim_of(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias(hf_config),
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.pp > 1 else None,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        use_cpu_initialization=not platform.is_cuda,
+        # Fused kernels exist only on CUDA (and mostly through TE/apex).
+        bias_activation_fusion=use_te,
+        bias_dropout_fusion=use_te,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Batched isend/irecv needs NCCL-style grouped p2p; gloo runs them one by one.
+        batch_p2p_comm=platform.is_cuda,
+        batch_p2p_sync=platform.is_cuda,
+        # RL micro-batches differ in length; pipeline p2p then exchanges shapes first.
+        # (Megatron ties this flag to the MoE dispatcher even for dense models.)
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        **recompute,
+    )
+    return MegatronModelArgs(
+        transformer_config=config,
+        vocab_size=hf_config.vocab_size,
+        padded_vocab_size=pad_vocab_size(hf_config.vocab_size, dims.tp, vocab_divisor),
+        max_sequence_length=max_sequence_length,
+        rotary_base=float(rope["rope_theta"]),
+        rope_scaling_factor=_rope_scaling_factor(rope),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        use_te_spec=use_te,
+    )

@@ -1,0 +1,83 @@
+"""Small pure functions for Megatron's sharded parameter layout.
+
+Megatron marks tensor-parallel parameters with `tensor_model_parallel=True` and a
+`partition_dim`; each TP rank holds one contiguous chunk along that dimension, except the gated
+MLP's `linear_fc1`, where every rank holds [gate_r; up_r] (its chunk of gate, then its chunk of up).
+Pipeline stages number their layers locally from 0; `TransformerLayer.layer_number` is the global,
+1-based index.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+_LAYER_PREFIX = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)\.")
+
+
+def tp_chunk(full: torch.Tensor, *, tp: int, rank: int, dim: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous chunk of `full` along `dim` (column/row/vocab-parallel split)."""
+    if full.shape[dim] % tp:
+        raise ValueError(f"dim {dim} of shape {tuple(full.shape)} is not divisible by tp={tp}")
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def tp_merge(shards: list[torch.Tensor], *, dim: int) -> torch.Tensor:
+    """Inverse of `tp_chunk` over all ranks."""
+    return torch.cat(shards, dim=dim)
+
+
+def tp_chunk_gated(full: torch.Tensor, *, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s shard of a gated fc1 weight [gate; up] (dim 0): [gate_r; up_r]."""
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([tp_chunk(gate, tp=tp, rank=rank, dim=0), tp_chunk(up, tp=tp, rank=rank, dim=0)])
+
+
+def tp_merge_gated(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `tp_chunk_gated` over all ranks: back to [gate; up]."""
+    halves = [shard.chunk(2, dim=0) for shard in shards]
+    return torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])])
+
+
+def resize_vocab_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """Trim or zero-pad dim 0 of an embedding / output weight to `rows` (vocab padding)."""
+    if weight.shape[0] >= rows:
+        return weight[:rows]
+    pad = weight.new_zeros((rows - weight.shape[0], *weight.shape[1:]))
+    return torch.cat([weight, pad])
+
+
+def global_layer_name(local_name: str, layer_offset: int) -> str:
+    """'decoder.layers.<i>.x' -> 'decoder.layers.<i + offset>.x'; other names unchanged."""
+    match = _LAYER_PREFIX.match(local_name)
+    if not match:
+        return local_name
+    index = int(match.group(2)) + layer_offset
+    return f"{match.group(1)}{index}.{local_name[match.end():]}"
+
+
+def layer_offset_of(model_chunk: Any) -> int:
+    """Global index of this chunk's first decoder layer (0 when it holds none)."""
+    module = getattr(model_chunk, "module", model_chunk)
+    decoder = getattr(module, "decoder", None)
+    layers = getattr(decoder, "layers", None) if decoder is not None else None
+    if not layers:
+        return 0
+    return layers[0].layer_number - 1
+
+
+def is_gated_fc1(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight")
+
+
+def shard_for_rank(
+    full: torch.Tensor, param: torch.Tensor, *, name: str, tp: int, rank: int, gated: bool
+) -> torch.Tensor:
+    """This TP rank's shard of `full` for the Megatron parameter `param` called `name`."""
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    if gated and is_gated_fc1(name):
+        return tp_chunk_gated(full, tp=tp, rank=rank)
+    return tp_chunk(full, tp=tp, rank=rank, dim=param.partition_dim)

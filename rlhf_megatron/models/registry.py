@@ -1,0 +1,75 @@
+"""Architecture registry keyed by the HF `architectures` field (never by substring).
+
+An `ArchitectureSpec` says how one HF decoder family maps onto Megatron's GPTModel: which optional
+pieces it has (qkv bias, per-head q/k norm) and which config values it cannot express.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_megatron.errors import ConfigError, UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """How one HF causal-LM architecture becomes a Megatron GPTModel.
+
+    hf_architecture: the exact string in config.json's `architectures` list.
+    qkv_bias: given the HF config, whether q/k/v projections carry a bias.
+    qk_layernorm: whether q and k get a per-head RMSNorm before RoPE (Qwen3).
+    check_config: raises ConfigError for config values Megatron's GPTModel cannot reproduce.
+    """
+
+    hf_architecture: str
+    qkv_bias: Callable[[Any], bool]
+    qk_layernorm: bool = False
+    check_config: Callable[[Any], None] | None = None
+
+
+class ArchitectureRegistry:
+    """Name -> spec. The package's registry is `ARCHITECTURES`; extensions call `register`."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, ArchitectureSpec] = {}
+
+    def register(self, spec: ArchitectureSpec) -> ArchitectureSpec:
+        if spec.hf_architecture in self._specs:
+            raise ValueError(f"architecture {spec.hf_architecture!r} is already registered")
+        self._specs[spec.hf_architecture] = spec
+        return spec
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def get(self, hf_architecture: str) -> ArchitectureSpec:
+        try:
+            return self._specs[hf_architecture]
+        except KeyError:
+            raise UnsupportedArchitectureError(
+                f"unsupported architecture {hf_architecture!r}; supported: {', '.join(self.names())}"
+            ) from None
+
+    def for_hf_config(self, hf_config: Any) -> ArchitectureSpec:
+        """The spec named by `hf_config.architectures` (exactly one entry expected)."""
+        names = list(getattr(hf_config, "architectures", None) or [])
+        if len(names) != 1:
+            raise UnsupportedArchitectureError(
+                f"config.json must name exactly one architecture, got {names!r}; "
+                f"supported: {', '.join(self.names())}"
+            )
+        spec = self.get(names[0])
+        if spec.check_config is not None:
+            spec.check_config(hf_config)
+        return spec
+
+
+ARCHITECTURES = ArchitectureRegistry()
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ConfigError(message) unless `condition` holds (for `check_config` functions)."""
+    if not condition:
+        raise ConfigError(message)

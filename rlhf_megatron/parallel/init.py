@@ -1,0 +1,98 @@
+"""Bring up torch.distributed and Megatron's parallel_state from a ParallelDims, and tear down.
+
+Order matters: the platform (device, backend, CPU shims) first, then the default process group,
+then Megatron's groups, then the model-parallel RNG seeds (which need the groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlhf_megatron.errors import LayoutError
+from rlhf_megatron.parallel.dims import ParallelDims
+from rlhf_megatron.platform import apply_cpu_compat, current_platform
+
+
+def initialize_distributed(timeout_minutes: int = 10) -> None:
+    """Create the default process group from the torchrun-style environment, if not yet done.
+
+    Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; LOCAL_RANK picks the GPU.
+    """
+    if dist.is_initialized():
+        return
+    platform = current_platform()
+    if platform.is_cuda:
+        torch.cuda.set_device(platform.device())
+    dist.init_process_group(
+        backend=platform.backend,
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+
+
+def initialize_layout(
+    dims: ParallelDims, *, seed: int = 1234, skip_cpu_shims: Iterable[str] = ()
+) -> None:
+    """Initialise Megatron's parallel_state for `dims` on the current default process group.
+
+    The world size must equal `dims.world_size`. Call `destroy_layout()` before another layout.
+    `skip_cpu_shims` leaves named CPU shims out (diagnosis and the tests that prove each is needed).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    platform = current_platform()
+    dims.validate_for_platform(
+        supports_context_parallel=platform.supports_context_parallel,
+        device_type=platform.device_type,
+    )
+    apply_cpu_compat(platform, skip=skip_cpu_shims)
+    initialize_distributed()
+    if dist.get_world_size() != dims.world_size:
+        raise LayoutError(
+            f"layout {dims.describe()} wants {dims.world_size} ranks, "
+            f"but torch.distributed has {dist.get_world_size()}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("a parallel layout is already initialised; call destroy_layout() first")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.pp > 1 else None,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        # On CPU every group already uses gloo; extra gloo copies would only cost time.
+        create_gloo_process_groups=platform.is_cuda,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_layout() -> None:
+    """Destroy Megatron's groups and global buffers, keeping the default process group.
+
+    Lets one process run several layouts in sequence (tests, layout-parity checks).
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        if dist.is_initialized():
+            dist.barrier()
+        parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def parallel_layout(
+    dims: ParallelDims, *, seed: int = 1234, skip_cpu_shims: Iterable[str] = ()
+) -> Iterator[ParallelDims]:
+    """`with parallel_layout(dims):` initialises the layout and always destroys it afterwards."""
+    initialize_layout(dims, seed=seed, skip_cpu_shims=skip_cpu_shims)
+    try:
+        yield dims
+    finally:
+        destroy_layout()

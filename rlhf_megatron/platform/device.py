@@ -1,0 +1,72 @@
+"""Device and collective backend, chosen once per process.
+
+Every other module asks this one which device to put tensors on and which backend to use for
+torch.distributed; none of them checks for CUDA on its own (shared/docs/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this process runs on.
+
+    device_type: "cuda" or "cpu".
+    backend: the torch.distributed backend that goes with it ("nccl" or "gloo").
+    """
+
+    device_type: str
+    backend: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def device(self, local_rank: int | None = None) -> torch.device:
+        """The torch.device of this rank (cuda:<local_rank> on GPU, cpu otherwise)."""
+        if not self.is_cuda:
+            return torch.device("cpu")
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank)
+
+    @property
+    def supports_distributed_optimizer(self) -> bool:
+        # Megatron's DistributedOptimizer rejects non-CUDA parameters (STACK.md, call site 5).
+        return self.is_cuda
+
+    @property
+    def supports_context_parallel(self) -> bool:
+        # "Context parallelism is only supported by TEDotProductAttention", and TE is GPU-only.
+        return self.is_cuda and transformer_engine_available()
+
+
+@functools.cache
+def current_platform() -> Platform:
+    """The platform of this process, detected once (a pure function of the machine, so cached).
+
+    Set RLHF_MEGATRON_DEVICE=cpu to force the CPU path on a GPU machine.
+    """
+    forced = os.environ.get("RLHF_MEGATRON_DEVICE", "").lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"RLHF_MEGATRON_DEVICE={forced!r}: expected 'cpu' or 'cuda'")
+    use_cuda = torch.cuda.is_available() if forced == "" else forced == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("RLHF_MEGATRON_DEVICE=cuda but torch sees no CUDA device")
+    return Platform("cuda", "nccl") if use_cuda else Platform("cpu", "gloo")
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (GPU clusters); never on the CPU stack."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a missing cuDNN shared object on CPU machines
+        return False
+    return True

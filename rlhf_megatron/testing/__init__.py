@@ -1,0 +1,1 @@
+"""Helpers shared by tests and benchmarks: multi-rank runner, tiny HF checkpoints."""

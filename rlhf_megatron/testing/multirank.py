@@ -1,0 +1,123 @@
+"""Run a function on N local torch.distributed ranks (gloo on CPU), for tests and benchmarks.
+
+    results = run_on_ranks(my_check, world_size=2, args=(tmp_path,))
+
+Each rank is a fresh `spawn` process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT set, OMP_NUM_THREADS=1 (ranks share the cores), and the default process group already
+initialised. A failure on any rank is re-raised here with that rank's traceback; a rank that hangs
+or dies is reported after `timeout_s`, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or timed out; the message holds its traceback or exit code."""
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
+    env: dict[str, str], results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        from rlhf_megatron.parallel import initialize_distributed
+
+        initialize_distributed(timeout_minutes=5)
+        value = fn(*args)
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks; return the per-rank results in rank order.
+
+    `fn` must be importable by name (a module-level function) and its result picklable.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, tuple(args), dict(env or {}), results),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                _check_dead_or_late(procs, outcomes, deadline, timeout_s)
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
+            outcomes[rank] = value
+    finally:
+        _stop(procs)
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def _check_dead_or_late(
+    procs: list[Any], outcomes: dict[int, Any], deadline: float, timeout_s: float
+) -> None:
+    for rank, proc in enumerate(procs):
+        if rank not in outcomes and proc.exitcode is not None:
+            # Give a dying rank's queued traceback a moment to arrive before blaming the exit.
+            time.sleep(0.5)
+            raise RankFailure(f"rank {rank} exited with code {proc.exitcode} without a result")
+    if time.monotonic() > deadline:
+        missing = [rank for rank in range(len(procs)) if rank not in outcomes]
+        raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+
+
+def _stop(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.join(timeout=10)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)

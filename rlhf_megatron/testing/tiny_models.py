@@ -1,0 +1,114 @@
+"""Tiny HF checkpoints with random weights and a locally trained tokenizer (no model hub here).
+
+Shapes are chosen to exercise every layout path while staying fast on 2 cores: head_dim 32 (vLLM's
+CPU attention needs >= 32), GQA (4 query heads, 2 KV heads), 4 layers (PP=2 x VPP=2), and a
+vocabulary that is not a multiple of 128 so vocabulary padding is always exercised.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_CORPUS_WORDS = (
+    "the quick brown fox jumps over the lazy dog while a model learns to add numbers "
+    "question answer what is plus minus times equals reward policy value advantage"
+).split()
+
+
+def _corpus_lines() -> list[str]:
+    lines = [f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)]
+    lines += [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
+    return lines
+
+
+def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 300) -> Any:
+    """Train a byte-level BPE tokenizer on a built-in corpus; save it as an HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|pad|>", "<|bos|>", "<|eos|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|pad|>", bos_token="<|bos|>", eos_token="<|eos|>"
+    )
+    hf_tokenizer.save_pretrained(str(out_dir))
+    return hf_tokenizer
+
+
+def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: bool = False,
+                   num_layers: int = 4, **overrides: Any) -> Any:
+    """The config of a tiny model of `architecture` (see the module docstring for the shapes)."""
+    import transformers
+
+    config_classes = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }
+    if architecture not in config_classes:
+        raise ValueError(f"no tiny config for {architecture!r}; known: {sorted(config_classes)}")
+    fields: dict[str, Any] = dict(
+        architectures=[architecture], vocab_size=vocab_size, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.05,
+    )
+    if architecture == "MistralForCausalLM":
+        fields["sliding_window"] = None
+    fields.update(overrides)
+    return config_classes[architecture](**fields)
+
+
+def write_tiny_hf_checkpoint(
+    out_dir: str | Path,
+    architecture: str = "LlamaForCausalLM",
+    *,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+) -> Path:
+    """Write config.json, safetensors weights (sharded with an index if max_shard_size is given),
+    generation_config.json and a locally trained tokenizer to `out_dir`. Returns the directory."""
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tiny_tokenizer(out_dir)
+    config = tiny_hf_config(
+        architecture, vocab_size=len(tokenizer), tie_word_embeddings=tie_word_embeddings,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _randomize_norms(model, seed)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out_dir), safe_serialization=True, **save_kwargs)
+    (out_dir / "rlhf_megatron_tiny.json").write_text(json.dumps({"seed": seed}))
+    return out_dir
+
+
+def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
+    # Norm weights initialise to exactly 1 and biases to 0; perturb them so that a mapping that
+    # drops or swaps a norm or bias cannot pass a parity test by accident.
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn(param.shape, generator=generator, dtype=param.dtype))

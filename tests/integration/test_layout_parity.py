@@ -1,0 +1,185 @@
+"""Same weights at every layout -> same logits and gradients as TP=1/PP=1 (fp32, 1e-5).
+
+One 4-rank gloo job per architecture walks the layouts in sequence (init -> check -> destroy):
+TP1/PP1/DP4, TP2/DP2, PP2/DP2 (1F1B over gloo p2p, 2 micro-batches per rank) and TP2/PP2. The
+reference is a plain forward/backward of the whole batch at TP1/PP1 without Megatron DDP. Each
+rank compares its own shards with the matching slices of the reference, so every shard of every
+parameter on every rank is checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_megatron.testing.multirank import run_on_ranks
+from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
+
+WORLD_SIZE = 4
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp); dp = 4 // (tp * pp)
+GLOBAL_BATCH, SEQ_LEN, MICRO_BATCH = 8, 16, 1
+TOLERANCE = 1e-5
+
+CASES = [
+    ("LlamaForCausalLM", False),
+    ("LlamaForCausalLM", True),  # tied embeddings: PP must all-reduce embedding grads
+    ("MistralForCausalLM", False),
+    ("Qwen2ForCausalLM", False),  # qkv bias
+    ("Qwen3ForCausalLM", False),  # per-head q/k norm
+]
+
+
+def _batch(vocab_size: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(3, vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+
+
+def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    logprobs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
+    return -logprobs.gather(-1, targets.unsqueeze(-1)).mean()
+
+
+def _build(hf_dir: str, tp: int, pp: int):
+    import transformers
+
+    from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
+    from rlhf_megatron.parallel import ParallelDims, initialize_layout
+
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    dims = ParallelDims(WORLD_SIZE, tp=tp, pp=pp)
+    initialize_layout(dims, seed=11)
+    args = hf_to_megatron_args(hf_config, ARCHITECTURES.for_hf_config(hf_config), dims)
+    return hf_config, args, build_model_chunks(args)
+
+
+def _reference(hf_dir: str):
+    """Plain TP1/PP1 forward/backward of the whole batch (no DDP, no schedule)."""
+    from rlhf_megatron.parallel import destroy_layout
+
+    hf_config, args, (model,) = _build(hf_dir, 1, 1)
+    data = _batch(hf_config.vocab_size)
+    tokens, targets = data[:, :-1], data[:, 1:]
+    positions = torch.arange(SEQ_LEN).expand(GLOBAL_BATCH, -1)
+    logits = model(tokens, positions, None)
+    _next_token_loss(logits, targets, hf_config.vocab_size).backward()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    destroy_layout()
+    return weights, grads, logits.detach()[..., : hf_config.vocab_size]
+
+
+def _full_name(name: str, tied: bool) -> str:
+    # With PP > 1 the last stage owns a copy of the tied embedding called output_layer.
+    return "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+
+
+def _place_weights(chunks, weights, args, tp_rank: int, tp: int) -> None:
+    from rlhf_megatron.models.megatron_layout import (
+        global_layer_name,
+        layer_offset_of,
+        resize_vocab_rows,
+        shard_for_rank,
+    )
+
+    for chunk in chunks:
+        offset = layer_offset_of(chunk)
+        for name, param in chunk.named_parameters():
+            full = weights[_full_name(global_layer_name(name, offset), args.tie_word_embeddings)]
+            if "word_embeddings" in name or "output_layer" in name:
+                full = resize_vocab_rows(full, args.padded_vocab_size)
+            shard = shard_for_rank(full, param, name=name, tp=tp, rank=tp_rank, gated=True)
+            with torch.no_grad():
+                param.copy_(shard)
+
+
+def _check_layout(hf_dir: str, tp: int, pp: int, weights, ref_grads, ref_logits) -> dict:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rlhf_megatron.models.megatron_layout import (
+        global_layer_name,
+        layer_offset_of,
+        resize_vocab_rows,
+        shard_for_rank,
+    )
+    from rlhf_megatron.parallel import destroy_layout
+
+    hf_config, args, chunks = _build(hf_dir, tp, pp)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    _place_weights(chunks, weights, args, tp_rank, tp)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
+    chunks = [
+        DistributedDataParallel(args.transformer_config, ddp_config, chunk) for chunk in chunks
+    ]
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    per_rank = GLOBAL_BATCH // dp
+    data = _batch(hf_config.vocab_size)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    micro_batches = list(data.split(MICRO_BATCH))
+    logits_seen = []
+
+    def forward_step(data_iterator, model):
+        micro = next(data_iterator)
+        tokens, targets = micro[:, :-1], micro[:, 1:]
+        positions = torch.arange(SEQ_LEN).expand(tokens.shape[0], -1)
+        output = model(tokens, positions, None)
+
+        def loss_func(logits):
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            logits_seen.append(full.detach()[..., : hf_config.vocab_size])
+            return _next_token_loss(full, targets, hf_config.vocab_size), {}
+
+        return output, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=SEQ_LEN,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    finalize_model_grads(chunks)
+    diffs = {"logits": 0.0, "grads": 0.0, "rows_checked": 0}
+    if logits_seen:  # last pipeline stage
+        expected = ref_logits[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        diffs["logits"] = (torch.cat(logits_seen) - expected).abs().max().item()
+        diffs["rows_checked"] = len(expected) / tp  # each TP rank checks the same rows
+    for chunk in chunks:
+        offset = layer_offset_of(chunk)
+        for name, param in chunk.module.named_parameters():
+            full = ref_grads[_full_name(global_layer_name(name, offset), args.tie_word_embeddings)]
+            if "word_embeddings" in name or "output_layer" in name:
+                full = resize_vocab_rows(full, args.padded_vocab_size)
+            expected = shard_for_rank(full, param, name=name, tp=tp, rank=tp_rank, gated=True)
+            diff = (param.main_grad - expected).abs().max().item()
+            diffs["grads"] = max(diffs["grads"], diff)
+    destroy_layout()
+    return diffs
+
+
+def _run_all_layouts(hf_dir: str) -> dict:
+    weights, ref_grads, ref_logits = _reference(hf_dir)
+    return {
+        f"tp{tp}pp{pp}": _check_layout(hf_dir, tp, pp, weights, ref_grads, ref_logits)
+        for tp, pp in LAYOUTS
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("architecture,tied", CASES, ids=[f"{a}-tied{t}" for a, t in CASES])
+def test_logits_and_grads_match_tp1_pp1(tmp_path, architecture, tied):
+    hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", architecture, tie_word_embeddings=tied)
+    per_rank = run_on_ranks(_run_all_layouts, WORLD_SIZE, (str(hf_dir),), timeout_s=600)
+    worst = {
+        layout: {kind: max(rank[layout][kind] for rank in per_rank) for kind in ("logits", "grads")}
+        for layout in per_rank[0]
+    }
+    for layout, diffs in worst.items():
+        assert diffs["logits"] < TOLERANCE, f"{architecture} {layout}: logits differ {diffs}"
+        assert diffs["grads"] < TOLERANCE, f"{architecture} {layout}: grads differ {diffs}"
+    # Every layout compared the logits of the whole global batch on its last stage.
+    for layout in worst:
+        assert sum(rank[layout]["rows_checked"] for rank in per_rank) == GLOBAL_BATCH, layout
