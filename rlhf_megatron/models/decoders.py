@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_megatron.models.mapping_tables import llama_like_table_for
 from rlhf_megatron.models.registry import ARCHITECTURES, ArchitectureSpec, require
 
 
@@ -40,17 +41,21 @@ def _check_qwen3(cfg: Any) -> None:
 
 
 LLAMA = ARCHITECTURES.register(
-    ArchitectureSpec("LlamaForCausalLM", qkv_bias=lambda cfg: False, check_config=_check_llama)
+    ArchitectureSpec("LlamaForCausalLM", qkv_bias=lambda cfg: False, check_config=_check_llama,
+                     mapping_table=llama_like_table_for)
 )
 MISTRAL = ARCHITECTURES.register(
-    ArchitectureSpec("MistralForCausalLM", qkv_bias=lambda cfg: False, check_config=_check_llama)
+    ArchitectureSpec("MistralForCausalLM", qkv_bias=lambda cfg: False, check_config=_check_llama,
+                     mapping_table=llama_like_table_for)
 )
 # Qwen2 always biases q/k/v (and never o_proj), whatever the config says.
 QWEN2 = ARCHITECTURES.register(
-    ArchitectureSpec("Qwen2ForCausalLM", qkv_bias=lambda cfg: True, check_config=_check_llama_like)
+    ArchitectureSpec("Qwen2ForCausalLM", qkv_bias=lambda cfg: True, check_config=_check_llama_like,
+                     mapping_table=llama_like_table_for)
 )
 QWEN3 = ARCHITECTURES.register(
     ArchitectureSpec(
-        "Qwen3ForCausalLM", qkv_bias=lambda cfg: False, qk_layernorm=True, check_config=_check_qwen3
+        "Qwen3ForCausalLM", qkv_bias=lambda cfg: False, qk_layernorm=True, check_config=_check_qwen3,
+        mapping_table=llama_like_table_for,
     )
 )

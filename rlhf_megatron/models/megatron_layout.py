@@ -81,3 +81,52 @@ def shard_for_rank(
     if gated and is_gated_fc1(name):
         return tp_chunk_gated(full, tp=tp, rank=rank)
     return tp_chunk(full, tp=tp, rank=rank, dim=param.partition_dim)
+
+
+def interleave_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_query_groups: int
+) -> torch.Tensor:
+    """Fuse HF q/k/v (weights or biases) into Megatron's per-query-group layout.
+
+    q: (groups * heads_per_group * head_dim, *rest); k, v: (groups * head_dim, *rest).
+    Returns (groups * (heads_per_group + 2) * head_dim, *rest), ordered for each group g as
+    [q heads of g; k_g; v_g]. Works on a TP shard as well, with `num_query_groups` local groups.
+    """
+    rest = q.shape[1:]
+    fused = torch.cat(
+        [
+            q.reshape(num_query_groups, -1, *rest),
+            k.reshape(num_query_groups, -1, *rest),
+            v.reshape(num_query_groups, -1, *rest),
+        ],
+        dim=1,
+    )
+    return fused.reshape(-1, *rest)
+
+
+def split_qkv(
+    fused: torch.Tensor, *, num_query_groups: int, heads_per_group: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `interleave_qkv`: (groups * (hpg + 2) * head_dim, *rest) -> (q, k, v)."""
+    rest = fused.shape[1:]
+    grouped = fused.reshape(num_query_groups, (heads_per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def tp_range(size: int, *, tp: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank `rank`'s contiguous chunk of a dimension of `size` split over tp."""
+    if size % tp:
+        raise ValueError(f"size {size} is not divisible by tp={tp}")
+    step = size // tp
+    return rank * step, (rank + 1) * step
+
+
+def vocab_range(padded_vocab_size: int, vocab_size: int, *, tp: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of the real (unpadded) vocabulary held by rank `rank`.
+
+    Megatron splits the *padded* vocabulary evenly; the last ranks may hold only padding, in which
+    case start == stop.
+    """
+    start, stop = tp_range(padded_vocab_size, tp=tp, rank=rank)
+    return min(start, vocab_size), min(stop, vocab_size)

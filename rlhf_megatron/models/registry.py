@@ -21,12 +21,23 @@ class ArchitectureSpec:
     qkv_bias: given the HF config, whether q/k/v projections carry a bias.
     qk_layernorm: whether q and k get a per-head RMSNorm before RoPE (Qwen3).
     check_config: raises ConfigError for config values Megatron's GPTModel cannot reproduce.
+    mapping_table: (spec, hf_config) -> the architecture's MappingTable (HF <-> Megatron names and
+        layouts), used by the converter, the direct HF load and the refit.
     """
 
     hf_architecture: str
     qkv_bias: Callable[[Any], bool]
     qk_layernorm: bool = False
     check_config: Callable[[Any], None] | None = None
+    mapping_table: Callable[[ArchitectureSpec, Any], Any] | None = None
+
+    def mapping_table_for(self, hf_config: Any) -> Any:
+        """This architecture's `MappingTable` for `hf_config`."""
+        if self.mapping_table is None:
+            raise UnsupportedArchitectureError(
+                f"architecture {self.hf_architecture!r} has no mapping table"
+            )
+        return self.mapping_table(self, hf_config)
 
 
 class ArchitectureRegistry:
