@@ -15,3 +15,7 @@ class LayoutError(ConfigError):
 
 class UnsupportedArchitectureError(ConfigError):
     """The HF `architectures` field names a model this package has no registry entry for."""
+
+
+class CheckpointError(RlhfMegatronError):
+    """A checkpoint is missing, corrupt or does not match its config (the message names which)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_megatron.models.param_mapping import (
-    ColumnParallelMapping,
     DirectMapping,
     GatedMLPMapping,
     MappingTable,

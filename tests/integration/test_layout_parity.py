@@ -16,7 +16,8 @@ from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 WORLD_SIZE = 4
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp); dp = 4 // (tp * pp)
+# (tp, pp, vpp); dp = 4 // (tp * pp). vpp=2: interleaved 1F1B, two model chunks per rank.
+LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 GLOBAL_BATCH, SEQ_LEN, MICRO_BATCH = 8, 16, 1
 TOLERANCE = 1e-5
 
@@ -39,14 +40,14 @@ def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: in
     return -logprobs.gather(-1, targets.unsqueeze(-1)).mean()
 
 
-def _build(hf_dir: str, tp: int, pp: int):
+def _build(hf_dir: str, tp: int, pp: int, vpp: int | None = None):
     import transformers
 
     from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
     from rlhf_megatron.parallel import ParallelDims, initialize_layout
 
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
-    dims = ParallelDims(WORLD_SIZE, tp=tp, pp=pp)
+    dims = ParallelDims(WORLD_SIZE, tp=tp, pp=pp, vpp=vpp)
     initialize_layout(dims, seed=11)
     args = hf_to_megatron_args(hf_config, ARCHITECTURES.for_hf_config(hf_config), dims)
     return hf_config, args, build_model_chunks(args)
@@ -92,10 +93,15 @@ def _place_weights(chunks, weights, args, tp_rank: int, tp: int) -> None:
                 param.copy_(shard)
 
 
-def _check_layout(hf_dir: str, tp: int, pp: int, weights, ref_grads, ref_logits) -> dict:
+def _check_layout(
+    hf_dir: str, tp: int, pp: int, vpp: int | None, weights, ref_grads, ref_logits
+) -> dict:
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlhf_megatron.models.megatron_layout import (
@@ -106,12 +112,14 @@ def _check_layout(hf_dir: str, tp: int, pp: int, weights, ref_grads, ref_logits)
     )
     from rlhf_megatron.parallel import destroy_layout
 
-    hf_config, args, chunks = _build(hf_dir, tp, pp)
+    hf_config, args, chunks = _build(hf_dir, tp, pp, vpp)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     _place_weights(chunks, weights, args, tp_rank, tp)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
     chunks = [
-        DistributedDataParallel(args.transformer_config, ddp_config, chunk) for chunk in chunks
+        # Megatron buckets only the first chunk's grads (its convention for interleaving).
+        DistributedDataParallel(args.transformer_config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
     ]
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     per_rank = GLOBAL_BATCH // dp
@@ -134,7 +142,8 @@ def _check_layout(hf_dir: str, tp: int, pp: int, weights, ref_grads, ref_logits)
 
     get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        # One iterator per model chunk: with interleaving every chunk walks all micro-batches.
+        data_iterator=[iter(micro_batches) for _ in chunks] if vpp else iter(micro_batches),
         model=chunks,
         num_microbatches=len(micro_batches),
         seq_length=SEQ_LEN,
@@ -163,8 +172,10 @@ def _check_layout(hf_dir: str, tp: int, pp: int, weights, ref_grads, ref_logits)
 def _run_all_layouts(hf_dir: str) -> dict:
     weights, ref_grads, ref_logits = _reference(hf_dir)
     return {
-        f"tp{tp}pp{pp}": _check_layout(hf_dir, tp, pp, weights, ref_grads, ref_logits)
-        for tp, pp in LAYOUTS
+        f"tp{tp}pp{pp}vpp{vpp or 1}": _check_layout(
+            hf_dir, tp, pp, vpp, weights, ref_grads, ref_logits
+        )
+        for tp, pp, vpp in LAYOUTS
     }
 
 
