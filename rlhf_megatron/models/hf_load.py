@@ -7,7 +7,7 @@ from safetensors' lazy slices. Nothing is gathered and the full model never sits
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +36,12 @@ def load_hf_weights(
     *,
     tp: int,
     tp_rank: int,
+    on_param: Callable[[str], None] | None = None,
 ) -> LoadStats:
     """Copy this rank's shard of every parameter of `chunks` from `checkpoint`.
 
     chunks: this rank's model chunks (GPTModel, optionally wrapped in DDP / Float16Module).
+    on_param: called with each global Megatron name once it is loaded (progress bars).
     Raises CheckpointError for an unmapped parameter or a shard whose shape disagrees.
     """
     stats = LoadStats()
@@ -61,6 +63,8 @@ def load_hf_weights(
                 param.copy_(shard)
             stats.params += 1
             stats.bytes_loaded += shard.numel() * shard.element_size()
+            if on_param is not None:
+                on_param(name)
     return stats
 
 

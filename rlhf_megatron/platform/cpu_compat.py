@@ -275,18 +275,19 @@ def apply_cpu_compat(
     Idempotent: a site already patched is left alone. Returns a handle whose `remove()` undoes
     exactly what this call changed.
     """
-    platform = platform or current_platform()
-    handle = CpuCompatHandle()
-    if platform.is_cuda:
-        return handle
     skip = set(skip)
     unknown = skip - set(SHIM_NAMES)
     if unknown:
         raise ValueError(f"unknown CPU shim(s) {sorted(unknown)}; known: {list(SHIM_NAMES)}")
+    platform = platform or current_platform()
+    handle = CpuCompatHandle()
+    if platform.is_cuda:
+        return handle
     applied = []
     for shim in CPU_SHIMS:
         if shim.name in skip:
             continue
+        sites_before = len(handle._originals)
         for module_name in shim.modules:
             module = importlib.import_module(module_name)
             if not isinstance(module.torch, CpuTorchView):
@@ -297,6 +298,7 @@ def apply_cpu_compat(
             if not getattr(getattr(owner, attr), "_rlhf_megatron_cpu_shim", False):
                 new._rlhf_megatron_cpu_shim = True
                 _replace(handle, owner, attr, new)
-        applied.append(shim.name)
+        if len(handle._originals) > sites_before:  # report only what this call changed
+            applied.append(shim.name)
     handle.applied = tuple(applied)
     return handle

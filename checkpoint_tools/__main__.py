@@ -1,0 +1,138 @@
+"""Convert between HF checkpoints and Megatron dist-checkpoints, check, and inspect them.
+
+    python -m checkpoint_tools hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp 2 --pp 2] [--dtype bf16]
+    python -m checkpoint_tools mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB]
+    python -m checkpoint_tools verify --hf HF_DIR --ckpt CKPT_DIR [--tp 2 --pp 2]
+    python -m checkpoint_tools inspect DIR
+
+Bad input prints one line on stderr and exits 2; `verify` exits 1 when logits differ too much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import sys
+from collections.abc import Sequence
+
+from rlhf_megatron.errors import RlhfMegatronError
+
+EXIT_BAD_INPUT = 2
+EXIT_MISMATCH = 1
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _hf_to_mcore(args: argparse.Namespace) -> int:
+    from checkpoint_tools.hf_to_mcore import convert_hf_to_mcore
+
+    stats = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                                force=args.force, progress=not args.quiet)
+    print(f"wrote {args.out}: {stats['params']} Megatron tensors, {stats['bytes'] / 1e6:.1f} MB "
+          f"in {stats['seconds']:.1f} s; peak RSS {_peak_rss_mb():.0f} MB")
+    return 0
+
+
+def _mcore_to_hf(args: argparse.Namespace) -> int:
+    from checkpoint_tools.mcore_to_hf import convert_mcore_to_hf
+
+    stats = convert_mcore_to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size,
+                                force=args.force, progress=not args.quiet)
+    print(f"wrote {args.out}: {stats['hf_tensors']} tensors in {stats['files']} file(s), "
+          f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s; "
+          f"peak RSS {_peak_rss_mb():.0f} MB")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from checkpoint_tools.verify import run_verify
+
+    diff, tolerance = run_verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch,
+                                 seq_len=args.seq_len, tolerance=args.tolerance)
+    verdict = "OK" if diff <= tolerance else "MISMATCH"
+    print(f"max |logit diff| = {diff:.3e} (tolerance {tolerance:.1e}) at tp={args.tp} "
+          f"pp={args.pp}: {verdict}")
+    return 0 if diff <= tolerance else EXIT_MISMATCH
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from checkpoint_tools.inspect_cmd import inspect_dir
+
+    print("\n".join(inspect_dir(args.dir)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m checkpoint_tools", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(func=func)
+        return sub
+
+    def layout(sub: argparse.ArgumentParser, tp_help: str, pp_help: str) -> None:
+        sub.add_argument("--tp", type=int, default=1, help=tp_help)
+        sub.add_argument("--pp", type=int, default=1, help=pp_help)
+
+    def output(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--out", required=True, help="output directory (written to a temp dir "
+                         "next to it, renamed at the end)")
+        sub.add_argument("--force", action="store_true", help="replace a non-empty output")
+        sub.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sub = add("hf-to-mcore", _hf_to_mcore,
+              "HF directory -> Megatron dist-checkpoint (torch_dist) + metadata + tokenizer")
+    sub.add_argument("--hf", required=True, help="HF directory (config.json + safetensors)")
+    output(sub)
+    layout(sub, "tensor-parallel size the checkpoint is meant for: checked against heads, KV "
+                "heads and FFN; the vocabulary is padded to a multiple of 128*tp (default 1)",
+           "pipeline-parallel size it is meant for: checked against the layers (default 1). "
+           "The save itself runs as one process and is layout-free")
+    sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                     help="parameter dtype of the checkpoint (default fp32)")
+
+    sub = add("mcore-to-hf", _mcore_to_hf,
+              "converted dist-checkpoint -> sharded safetensors + index + config + tokenizer")
+    sub.add_argument("--ckpt", required=True, help="checkpoint written by hf-to-mcore")
+    output(sub)
+    sub.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (5GB)")
+
+    sub = add("verify", _verify, "compare HF transformers' and Megatron's logits on the same "
+              "tokens; exit 1 beyond the tolerance")
+    sub.add_argument("--hf", required=True, help="HF directory")
+    sub.add_argument("--ckpt", required=True, help="checkpoint written by hf-to-mcore")
+    layout(sub, "tensor-parallel size to run Megatron at (default 1)",
+           "pipeline-parallel size (default 1); tp*pp local gloo ranks are spawned when > 1")
+    sub.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
+    sub.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    sub.add_argument("--tolerance", type=float, default=None,
+                     help="max |logit diff| allowed (default: 1e-4 fp32, 5e-2 fp16, 1e-1 bf16)")
+
+    sub = add("inspect", _inspect, "architecture, parameter count, dtypes and layout of an HF "
+              "directory or a converted checkpoint")
+    sub.add_argument("dir", help="directory to inspect")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except RlhfMegatronError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Shared pieces of the converter: atomic output directories, the converted checkpoint's metadata
+file, HF asset copying and an in-process single-rank process group."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_megatron.errors import CheckpointError, ConfigError
+
+METADATA_FILE = "rlhf_megatron_checkpoint.json"
+ASSETS_DIR = "hf_assets"  # config.json, generation_config.json, tokenizer files of the source
+FORMAT_VERSION = 1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+@dataclass(frozen=True)
+class ConvertedMetadata:
+    """The metadata file written next to a Megatron dist-checkpoint by `hf-to-mcore`.
+
+    padded_vocab_size: embedding rows in the checkpoint; it fixes which TP sizes can load it.
+    saved_tp / saved_pp: the layout it was written from (the torch_dist format is layout-free).
+    """
+
+    architecture: str
+    hf_config: dict[str, Any]
+    dtype: str
+    vocab_size: int
+    padded_vocab_size: int
+    asset_files: list[str]
+    saved_tp: int = 1
+    saved_pp: int = 1
+    format_version: int = FORMAT_VERSION
+
+    def write(self, ckpt_dir: Path) -> None:
+        (ckpt_dir / METADATA_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
+
+    @classmethod
+    def read(cls, ckpt_dir: str | Path) -> ConvertedMetadata:
+        path = Path(ckpt_dir) / METADATA_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{ckpt_dir} is not a converted checkpoint: {METADATA_FILE} is missing")
+        try:
+            fields = json.loads(path.read_text())
+            return cls(**fields)
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"corrupt {path}: {exc}") from None
+
+    def hf_config_object(self) -> Any:
+        import transformers
+
+        fields = dict(self.hf_config)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise CheckpointError(f"{METADATA_FILE}: hf_config has no model_type")
+        return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def check_output_dir(out: Path, *, force: bool) -> None:
+    """Refuse an existing non-empty output unless `force` (it is then replaced at the end)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"output {out} exists and is not empty; pass --force to replace it")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, *, force: bool) -> Iterator[Path]:
+    """Yield a temp dir next to `out`; rename it to `out` on success, delete it on any failure."""
+    check_output_dir(out, force=force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def copy_hf_assets(hf_dir: Path, dest: Path) -> list[str]:
+    """Copy config, generation config and tokenizer files (every top-level non-weight file)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(hf_dir.iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) \
+                and path.name != "model.safetensors.index.json":
+            shutil.copy2(path, dest / path.name)
+            copied.append(path.name)
+    return copied
+
+
+@contextlib.contextmanager
+def process_group_of_one() -> Iterator[None]:
+    """A world-size-1 gloo default process group in this process (kept if one exists)."""
+    import torch.distributed as dist
+
+    from rlhf_megatron.parallel import initialize_distributed
+    from rlhf_megatron.testing.multirank import find_free_port
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()),
+                          RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        initialize_distributed()
+    try:
+        yield
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_rank_group() -> Iterator[None]:
+    """`process_group_of_one` plus a TP=PP=1 Megatron layout, torn down after."""
+    from rlhf_megatron.parallel import ParallelDims, parallel_layout
+
+    with process_group_of_one(), parallel_layout(ParallelDims(1), seed=1234):
+        yield
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '300KB' / '1024' -> bytes (decimal units, as transformers uses)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "B": 1}
+    upper = text.strip().upper()
+    unit = next((u for u in sorted(units, key=len, reverse=True) if upper.endswith(u)), "")
+    number, factor = upper[: len(upper) - len(unit)].strip(), units.get(unit, 1)
+    try:
+        size = int(float(number) * factor)
+    except ValueError:
+        raise ConfigError(f"--max-shard-size={text!r} is not a size like 5GB or 500MB") from None
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size={text!r} must be positive")
+    return size

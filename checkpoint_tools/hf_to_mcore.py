@@ -1,0 +1,98 @@
+"""`hf-to-mcore`: an HF directory -> a Megatron dist-checkpoint (torch_dist) + metadata + assets.
+
+The save runs as one rank at TP=PP=1: the torch_dist format is layout-free, so the result loads at
+any TP/PP whose sizes divide the model. `--tp/--pp` name the layout the checkpoint is meant for:
+they are validated against the model (heads, KV heads, FFN, layers) and fix the vocabulary padding
+(Megatron pads the vocabulary to a multiple of 128 * tp), which decides which TP sizes can load it.
+
+Memory: the TP=1 Megatron model is built in full (model-size RAM); weights are read tensor by
+tensor through safetensors' lazy slices, so reading adds about one tensor on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from checkpoint_tools.common import (
+    ASSETS_DIR,
+    DTYPES,
+    ConvertedMetadata,
+    atomic_output_dir,
+    check_output_dir,
+    copy_hf_assets,
+    single_rank_group,
+)
+from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
+
+
+def preflight(checkpoint: HFCheckpoint) -> int:
+    """Open every tensor the model needs (shape-checked against config.json) before any work.
+
+    Returns the number of tensors checked. Raises CheckpointError naming the file or tensor.
+    """
+    from rlhf_megatron.models.hf_checkpoint import expected_hf_shapes
+
+    tied = bool(getattr(checkpoint.config, "tie_word_embeddings", False))
+    names = [n for n in expected_hf_shapes(checkpoint.config) if not (tied and n == "lm_head.weight")]
+    for name in names:
+        checkpoint.open(name)
+    return len(names)
+
+
+def convert_hf_to_mcore(
+    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "fp32",
+    force: bool = False, progress: bool = True,
+) -> dict[str, Any]:
+    """Convert `hf_dir` into a dist-checkpoint at `out`; returns a small stats dict."""
+    from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
+    from rlhf_megatron.parallel import ParallelDims
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    check_output_dir(out, force=force)
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"HF directory {hf_dir} does not exist")
+    start = time.perf_counter()
+    with HFCheckpoint(hf_dir) as checkpoint:
+        config = checkpoint.config
+        spec = ARCHITECTURES.for_hf_config(config)
+        # Validates heads / KV heads / FFN / layers against the target layout up front.
+        target = hf_to_megatron_args(config, spec, ParallelDims(tp * pp, tp=tp, pp=pp),
+                                     params_dtype=DTYPES[dtype])
+        tensors = preflight(checkpoint)
+        with single_rank_group(), atomic_output_dir(out, force=force) as tmp:
+            args = hf_to_megatron_args(config, spec, ParallelDims(1), params_dtype=DTYPES[dtype])
+            args = dataclasses.replace(args, padded_vocab_size=target.padded_vocab_size)
+            stats = _load_and_save(checkpoint, spec, args, tmp, progress=progress)
+            assets = copy_hf_assets(hf_dir, tmp / ASSETS_DIR)
+            ConvertedMetadata(
+                architecture=spec.hf_architecture, hf_config=config.to_dict(), dtype=dtype,
+                vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
+                asset_files=assets,
+            ).write(tmp)
+    return {"hf_tensors": tensors, "params": stats.params, "bytes": stats.bytes_loaded,
+            "seconds": time.perf_counter() - start}
+
+
+def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
+                   progress: bool) -> Any:
+    from megatron.core import dist_checkpointing
+    from tqdm import tqdm
+
+    from rlhf_megatron.models import build_model_chunks
+    from rlhf_megatron.models.hf_load import load_hf_weights
+    from rlhf_megatron.models.param_mapping import ModelShapes
+
+    (model,) = build_model_chunks(args)
+    total = sum(1 for _ in model.parameters())
+    with tqdm(total=total, desc="hf -> mcore", unit="tensor", disable=not progress) as bar:
+        stats = load_hf_weights(
+            [model], checkpoint, spec.mapping_table_for(checkpoint.config),
+            ModelShapes.from_megatron_args(args), tp=1, tp_rank=0,
+            on_param=lambda name: bar.update(1),
+        )
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+    return stats

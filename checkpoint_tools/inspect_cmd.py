@@ -1,0 +1,87 @@
+"""`inspect DIR`: architecture, parameter count, dtypes and layout of an HF directory or of a
+converted Megatron checkpoint. Reads headers and metadata only, never the weights."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from checkpoint_tools.common import METADATA_FILE, ConvertedMetadata
+from rlhf_megatron.errors import CheckpointError
+
+
+def _model_lines(config: Any) -> list[str]:
+    from rlhf_megatron.models import head_dim_of
+
+    return [
+        f"layers: {config.num_hidden_layers}  hidden: {config.hidden_size}  "
+        f"ffn: {config.intermediate_size}  heads: {config.num_attention_heads}  "
+        f"kv heads: {config.num_key_value_heads}  head_dim: {head_dim_of(config)}",
+        f"vocab: {config.vocab_size}  tied embeddings: "
+        f"{bool(getattr(config, 'tie_word_embeddings', False))}",
+    ]
+
+
+def _loadable_layouts(config: Any, padded_vocab: int, limit: int = 8) -> str:
+    tps = [tp for tp in range(1, limit + 1)
+           if config.num_attention_heads % tp == 0 and config.num_key_value_heads % tp == 0
+           and config.intermediate_size % tp == 0 and padded_vocab % tp == 0]
+    pps = [pp for pp in range(1, limit + 1) if config.num_hidden_layers % pp == 0]
+    return f"loadable at tp in {tps}, pp in {pps} (up to {limit})"
+
+
+def inspect_hf(path: Path) -> list[str]:
+    from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
+
+    with HFCheckpoint(path, check_shapes=False) as ckpt:
+        tensors = [ckpt.open(name) for name in ckpt.names()]
+        config = ckpt.config
+        files = sorted({t.file.name for t in tensors})
+    params = sum(t.numel() for t in tensors)
+    dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors)
+    return [
+        f"{path}: HF checkpoint",
+        f"architecture: {', '.join(getattr(config, 'architectures', None) or ['?'])}",
+        f"parameters: {params:,} in {len(tensors)} tensors",
+        f"dtypes: {dict(dtypes)}",
+        f"layout: safetensors, {len(files)} file(s)"
+        + (", with index" if (path / "model.safetensors.index.json").is_file() else ""),
+        *_model_lines(config),
+    ]
+
+
+def inspect_converted(path: Path) -> list[str]:
+    from checkpoint_tools.mcore_to_hf import read_tensor_metadata
+
+    metadata = ConvertedMetadata.read(path)
+    config = metadata.hf_config_object()
+    tensors = read_tensor_metadata(path)
+    params = sum(shape.numel() for shape, _ in tensors.values())
+    padding = (metadata.padded_vocab_size - metadata.vocab_size) * config.hidden_size
+    padding *= 1 if getattr(config, "tie_word_embeddings", False) else 2
+    dtypes = Counter(str(dtype).removeprefix("torch.") for _, dtype in tensors.values())
+    return [
+        f"{path}: Megatron dist-checkpoint (torch_dist, layout-free)",
+        f"architecture: {metadata.architecture}",
+        f"parameters: {params - padding:,} ({params:,} with vocabulary padding) "
+        f"in {len(tensors)} stored tensors",
+        f"dtypes: {dict(dtypes)}",
+        f"layout: saved at tp={metadata.saved_tp} pp={metadata.saved_pp}; padded vocab "
+        f"{metadata.padded_vocab_size}; {_loadable_layouts(config, metadata.padded_vocab_size)}",
+        *_model_lines(config),
+        f"assets: {', '.join(metadata.asset_files)}",
+    ]
+
+
+def inspect_dir(path: str | Path) -> list[str]:
+    """Report lines for `path` (an HF directory or a converted checkpoint)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    if (path / METADATA_FILE).is_file():
+        return inspect_converted(path)
+    if (path / "config.json").is_file():
+        return inspect_hf(path)
+    raise CheckpointError(f"{path} is neither an HF checkpoint (config.json) nor a converted "
+                          f"checkpoint ({METADATA_FILE})")

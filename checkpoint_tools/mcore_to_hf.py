@@ -1,0 +1,208 @@
+"""`mcore-to-hf`: a converted Megatron dist-checkpoint -> sharded safetensors + index + config +
+generation config + tokenizer files.
+
+Streaming: tensor names, shapes and dtypes come from the torch_dist metadata alone, which fixes
+the output plan (file by file) before any weight is read. Then each Megatron tensor (one layer's
+slice of a stacked `decoder.layers.*` tensor) is read on its own through torch DCP (no process
+group needed), mapped to HF tensors by the architecture's table, written and dropped. Peak
+memory is about one Megatron tensor plus its HF outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint_tools.common import (
+    ASSETS_DIR,
+    DTYPES,
+    ConvertedMetadata,
+    atomic_output_dir,
+    check_output_dir,
+    parse_size,
+)
+from checkpoint_tools.safetensors_writer import (
+    PlannedSafetensorsWriter,
+    PlannedTensor,
+    assign_shards,
+)
+from rlhf_megatron.errors import CheckpointError
+
+_LAYERS = "decoder.layers."
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One Megatron parameter in the dist-checkpoint: `key`, and `layer` for stacked keys."""
+
+    megatron_name: str
+    key: str
+    shape: torch.Size  # of the stored (possibly layer-stacked) tensor
+    dtype: torch.dtype
+    layer: int | None
+
+
+def read_tensor_metadata(ckpt_dir: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Stored tensor key -> (global shape, dtype), from the torch_dist metadata only."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the dist-checkpoint metadata in {ckpt_dir}: {exc}") from None
+    return {
+        key: (value.size, value.properties.dtype)
+        for key, value in metadata.state_dict_metadata.items()
+        if isinstance(value, TensorStorageMetadata)
+    }
+
+
+def source_tensors(ckpt_dir: Path, num_layers: int) -> list[SourceTensor]:
+    """Every Megatron parameter stored, layers unstacked, in model order (embedding first)."""
+    singles, stacked = [], []
+    for key, (shape, dtype) in read_tensor_metadata(ckpt_dir).items():
+        rest = key[len(_LAYERS):]
+        if key.startswith(_LAYERS) and not rest.split(".")[0].isdigit():
+            if shape[0] != num_layers:
+                raise CheckpointError(f"{key} stacks {shape[0]} layers, config says {num_layers}")
+            stacked += [SourceTensor(f"{_LAYERS}{i}.{rest}", key, shape, dtype, i)
+                        for i in range(num_layers)]
+        else:
+            singles.append(SourceTensor(key, key, shape, dtype, None))
+    stacked.sort(key=lambda s: s.layer)
+    first = [s for s in singles if s.key.startswith("embedding.")]
+    return first + stacked + [s for s in singles if not s.key.startswith("embedding.")]
+
+
+def _slice_planner(offsets: tuple[int, ...]) -> Any:
+    """A torch DCP load planner that fills each requested tensor from the stored region starting
+    at `offsets` (the request's shape gives the region's size) instead of from the origin."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class SliceLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for fqn, tensor in self.state_dict.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
+                items += create_read_items_for_chunk_list(
+                    fqn, self.metadata.state_dict_metadata[fqn], [chunk]
+                )
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            # Read items carry the region's global offset; our buffers are plain tensors.
+            return self.state_dict[index.fqn]
+
+    return SliceLoadPlanner()
+
+
+def read_source(ckpt_dir: Path, source: SourceTensor) -> torch.Tensor:
+    """Read one parameter (one layer of a stacked tensor) and nothing else, without a process
+    group: torch DCP reads only the byte ranges that overlap the requested region."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    if source.layer is None:
+        buffer = torch.empty(source.shape, dtype=source.dtype)
+        offsets = (0,) * len(source.shape)
+    else:
+        buffer = torch.empty((1, *source.shape[1:]), dtype=source.dtype)
+        offsets = (source.layer,) + (0,) * (len(source.shape) - 1)
+    try:
+        load({source.key: buffer}, storage_reader=FileSystemReader(str(ckpt_dir)),
+             planner=_slice_planner(offsets), no_dist=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {source.megatron_name!r} from {ckpt_dir}: {exc}") from None
+    return buffer if source.layer is None else buffer[0]
+
+
+def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
+          hf_shapes: dict[str, torch.Size]) -> tuple[list[tuple[SourceTensor, Any]],
+                                                     list[PlannedTensor]]:
+    work, planned = [], []
+    for source in sources:
+        resolved = table.resolve(source.megatron_name)
+        if resolved is None:
+            raise CheckpointError(
+                f"{source.megatron_name!r} has no mapping for {metadata.architecture}"
+            )
+        if not resolved.mapping.export:
+            continue
+        work.append((source, resolved))
+        for role in resolved.mapping.hf:
+            name = resolved.hf_names[role]
+            planned.append(PlannedTensor(name, tuple(hf_shapes[name]), source.dtype))
+    return work, planned
+
+
+def _hf_tensors(ckpt_dir: Path, work: list[tuple[SourceTensor, Any]], ctx: Any
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (hf_name, tensor) pairs in plan order."""
+    for source, resolved in work:
+        tensor = read_source(ckpt_dir, source)
+        yield from resolved.megatron_to_hf([tensor], ctx)
+
+
+def convert_mcore_to_hf(
+    ckpt_dir: str | Path, out: str | Path, *, max_shard_size: str = "5GB", force: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Export a converted checkpoint as an HF directory at `out`; returns a small stats dict."""
+    from tqdm import tqdm
+
+    from rlhf_megatron.models import ARCHITECTURES, head_dim_of
+    from rlhf_megatron.models.hf_checkpoint import expected_hf_shapes
+    from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
+
+    ckpt_dir, out = Path(ckpt_dir), Path(out)
+    check_output_dir(out, force=force)
+    max_bytes = parse_size(max_shard_size)
+    metadata = ConvertedMetadata.read(ckpt_dir)
+    spec = ARCHITECTURES.get(metadata.architecture)
+    config = metadata.hf_config_object()
+    table = spec.mapping_table_for(config)
+    shapes = ModelShapes(config.num_attention_heads, config.num_key_value_heads,
+                         head_dim_of(config), metadata.vocab_size, metadata.padded_vocab_size)
+    sources = source_tensors(ckpt_dir, config.num_hidden_layers)
+    work, planned = _plan(metadata, sources, table, expected_hf_shapes(config))
+    start = time.perf_counter()
+    with atomic_output_dir(out, force=force) as tmp:
+        writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes))
+        with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
+            for name, tensor in _hf_tensors(ckpt_dir, work, ShardContext(shapes)):
+                writer.write(name, tensor)
+                bar.update(1)
+        writer.close()
+        _write_assets(ckpt_dir, tmp, metadata, config)
+    return {"hf_tensors": len(planned), "files": len(writer.files),
+            "bytes": writer.bytes_written, "seconds": time.perf_counter() - start}
+
+
+def _write_assets(ckpt_dir: Path, out: Path, metadata: ConvertedMetadata, config: Any) -> None:
+    """Tokenizer files and generation config as converted; config.json with the stored dtype."""
+    for name in metadata.asset_files:
+        source = ckpt_dir / ASSETS_DIR / name
+        if not source.is_file():
+            raise CheckpointError(f"asset {source} listed in the metadata is missing")
+        shutil.copy2(source, out / name)
+    config_path = out / "config.json"
+    fields = json.loads(config_path.read_text()) if config_path.is_file() else config.to_dict()
+    dtype_str = str(DTYPES[metadata.dtype]).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in fields or key == "dtype":
+            fields[key] = dtype_str
+    config_path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    if not (out / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(str(out))
