@@ -1,0 +1,1 @@
+"""Batches, packing and micro-batching (datasets and chat templates arrive with the controller)."""

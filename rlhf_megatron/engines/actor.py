@@ -1,0 +1,211 @@
+"""Actor and reference engines: token log-probs and entropy, and the policy update.
+
+Token values are aligned with input_ids (see data/batch.py): the logits at position t score token
+t + 1, so values[:, t + 1] = f(logits[:, t], input_ids[:, t + 1]) and values[:, 0] = 0. Everything
+is computed vocab-parallel (engines/vocab_parallel.py): no rank gathers the full vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_megatron.algorithms import (
+    LossAggregation,
+    LossNormalizer,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    compute_kl_loss,
+    compute_loss_normalizer,
+    compute_policy_loss,
+)
+from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.data.packing import unpack_rows
+from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
+from rlhf_megatron.engines.vocab_parallel import vocab_parallel_logprobs
+from rlhf_megatron.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PolicyUpdateSettings:
+    """How one policy update turns a batch into a loss (all names go through the registries)."""
+
+    loss: str = "vanilla"
+    """Policy loss name in POLICY_LOSSES ('vanilla' = PPO clip with clip-higher/dual clip; 'gspo')."""
+    loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    aggregation: str = "token-mean"
+    """Loss aggregation mode, normalised over the whole global batch."""
+    loss_scale_factor: float | None = None
+    """Constant of seq-mean-token-sum-norm (e.g. the max response length)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * aggregated entropy."""
+    kl_loss_coeff: float = 0.0
+    """KL-as-loss against batch field 'ref_logprobs' (0 disables)."""
+    kl_loss_kind: str = "low_var_kl"
+
+
+def token_values_from_logits(
+    engine: MegatronEngine, micro: MicroBatch, logits: torch.Tensor, *, compute_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(b, S) log-probs (and entropy) of micro.rows' tokens, aligned with input_ids."""
+    tokens = micro.tokens
+    shifted_lp, shifted_ent = vocab_parallel_logprobs(
+        logits[:, :-1], tokens[:, 1:], vocab_size=engine.vocab_size, compute_entropy=compute_entropy
+    )
+
+    def align(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        values = torch.nn.functional.pad(values, (1, 0))  # position 0 has no context
+        if micro.packed is None:
+            return values
+        # The first token of each packed row was "predicted" from the previous row: drop it.
+        rows = unpack_rows(values.unsqueeze(-1), micro.packed, micro.rows.seq_len).squeeze(-1)
+        rows[:, 0] = 0.0
+        return rows
+
+    return align(shifted_lp), align(shifted_ent)
+
+
+class ReferenceEngine(MegatronEngine):
+    """Frozen policy: log-probs only, no optimizer."""
+
+    def __init__(self, config: Any, *, hf_dir: Any, dims: Any, trainable: bool = False) -> None:
+        super().__init__(config, hf_dir=hf_dir, dims=dims, trainable=trainable)
+
+    def compute_logprobs(
+        self, batch: TokenBatch, *, with_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """{'logprobs': (bs, S)[, 'entropy': (bs, S)]} of every token, zero where loss_mask is 0.
+
+        Identical on every rank of the engine (broadcast from the last pipeline stage).
+        """
+        micro_batches = self.make_micro_batches(batch)
+
+        def read_out(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            lp, ent = token_values_from_logits(self, micro, logits, compute_entropy=with_entropy)
+            mask = micro.rows.loss_mask.to(lp.dtype)
+            values = {"logprobs": lp * mask}
+            if ent is not None:
+                values["entropy"] = ent * mask
+            return lp.new_zeros(()), values
+
+        results = self.run_micro_batches(micro_batches, read_out, forward_only=True)
+        order = torch.cat([self._row_ids(batch, m) for m in micro_batches])
+        out = {}
+        for name in ["logprobs"] + (["entropy"] if with_entropy else []):
+            full = None
+            if results:
+                full = torch.zeros(len(batch), batch.seq_len, dtype=torch.float32)
+                pieces = [r[name].detach().float().cpu() for r in results]
+                for rows, piece in zip(self._split_ids(order, micro_batches), pieces):
+                    full[rows, : piece.shape[1]] = piece
+            out[name] = self.broadcast_from_last_stage(
+                full, like=torch.zeros(len(batch), batch.seq_len)
+            )
+        return out
+
+    @staticmethod
+    def _row_ids(batch: TokenBatch, micro: MicroBatch) -> torch.Tensor:
+        return micro.rows.fields["_row_id"]
+
+    @staticmethod
+    def _split_ids(order: torch.Tensor, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        return list(order.split([len(m.rows) for m in micro_batches]))
+
+    def make_micro_batches(self, batch: TokenBatch) -> list[MicroBatch]:
+        # Remember each row's place so results can be put back in batch order.
+        tagged = batch.with_fields(_row_id=torch.arange(len(batch)))
+        return super().make_micro_batches(tagged)
+
+
+class ActorEngine(ReferenceEngine):
+    """The policy: log-probs, entropy and the PPO/GRPO update."""
+
+    def __init__(self, config: Any, *, hf_dir: Any, dims: Any) -> None:
+        super().__init__(config, hf_dir=hf_dir, dims=dims, trainable=True)
+
+    def update_policy(self, batch: TokenBatch, settings: PolicyUpdateSettings) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of the global batch.
+
+        batch.fields must hold 'old_logprobs' and 'advantages' (bs, S); optionally
+        'rollout_logprobs' (for TIS) and 'ref_logprobs' (for the KL loss).
+        Returns metrics averaged over micro-batches and DP ranks, plus grad_norm and lr.
+        """
+        for name in ("old_logprobs", "advantages") + (
+            ("ref_logprobs",) if settings.kl_loss_coeff else ()
+        ):
+            if name not in batch.fields:
+                raise ConfigError(f"update_policy needs batch field {name!r}")
+        micro_batches = self.make_micro_batches(batch)
+        normaliser = self._global_normaliser(micro_batches)
+        aggregation = LossAggregation(settings.aggregation, normaliser, settings.loss_scale_factor)
+        scale = self.loss_scale_for_sum(len(micro_batches))
+        need_entropy = True  # reported as a metric even without a bonus
+
+        def policy_loss(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            lp, entropy = token_values_from_logits(self, micro, logits, compute_entropy=need_entropy)
+            rows, mask = micro.rows, micro.rows.loss_mask
+            inputs = PolicyLossInputs(
+                log_prob=lp, old_log_prob=rows.fields["old_logprobs"],
+                advantages=rows.fields["advantages"], response_mask=mask,
+                rollout_log_prob=rows.fields.get("rollout_logprobs"),
+            )
+            loss, metrics = compute_policy_loss(
+                settings.loss, inputs, settings.loss_config, aggregation
+            )
+            entropy_term = aggregation.apply(entropy, mask)
+            loss = loss - settings.entropy_coeff * entropy_term
+            values = {k: float(v) for k, v in metrics.items()}
+            values["pg_loss"] = float(loss.detach())
+            values["entropy"] = float(entropy_term.detach())
+            if settings.kl_loss_coeff:
+                kl = compute_kl_loss(
+                    lp, rows.fields["ref_logprobs"], mask, settings.kl_loss_kind, aggregation
+                )
+                loss = loss + settings.kl_loss_coeff * kl
+                values["kl_loss"] = float(kl.detach())
+            return loss * scale, values
+
+        results = self.run_micro_batches(micro_batches, policy_loss, forward_only=False)
+        metrics = self._reduce_metrics(results)
+        metrics.update(self.optimizer_step())
+        return metrics
+
+    def _global_normaliser(self, micro_batches: list[MicroBatch]) -> LossNormalizer:
+        local = LossNormalizer(0.0, 0.0)
+        for micro in micro_batches:
+            local = local + compute_loss_normalizer(micro.rows.loss_mask)
+        return LossNormalizer.from_tensor(self.all_reduce_dp(local.to_tensor()))
+
+    def _reduce_metrics(self, results: list[dict[str, float]]) -> dict[str, float]:
+        """Sums of the loss terms (they are already globally normalised); means of the rest;
+        then over DP ranks, from the last pipeline stage."""
+        names = sorted(results[0]) if results else []
+        names = self.broadcast_names(names)
+        summed = {"pg_loss", "entropy", "kl_loss"}
+        local = torch.tensor(
+            [sum(r[n] for r in results) / (1 if n in summed else max(len(results), 1))
+             for n in names], dtype=torch.float64,
+        ) if results else torch.zeros(len(names), dtype=torch.float64)
+        local = self.broadcast_from_last_stage(local if results else None, like=local)
+        from megatron.core import parallel_state
+
+        totals = self.all_reduce_dp(local.clone())
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return {n: float(totals[i] if n in summed else totals[i] / dp) for i, n in enumerate(names)}
+
+    def broadcast_names(self, names: list[str]) -> list[str]:
+        """The metric names known on the last stage, on every stage."""
+        from megatron.core import parallel_state
+
+        if self.dims.pp == 1:
+            return names
+        holder = [names]
+        torch.distributed.broadcast_object_list(
+            holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return holder[0]

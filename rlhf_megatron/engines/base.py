@@ -1,0 +1,325 @@
+"""MegatronEngine: one model on the current parallel layout, plus (when trainable) Megatron DDP,
+the Megatron optimizer and an LR schedule. Actor, reference, critic and reward model build on it.
+
+The engine runs every pass through Megatron's pipeline schedules (no-pipelining, 1F1B, or
+interleaved 1F1B), over micro-batches cut by rows or by a token budget, optionally packed.
+It holds no Ray: a worker owns the process, initialises the layout and calls these methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.data.packing import (
+    PackedRows,
+    block_causal_mask,
+    pack_rows,
+    split_by_token_budget,
+)
+from rlhf_megatron.engines.config import EngineConfig
+from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.parallel import ParallelDims
+from rlhf_megatron.platform import current_platform
+
+logger = logging.getLogger(__name__)
+
+# loss_fn(micro_batch, output_tensor) -> (loss for backward, per-micro-batch results)
+LossFn = Callable[["MicroBatch", torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as Megatron consumes it.
+
+    rows: the TokenBatch rows it holds, trimmed to their longest real length.
+    tokens / position_ids: (b, s), or (1, T) when packed.
+    attention_mask: None (plain causal) or (1, 1, T, T) bool, True = masked (packed, CPU).
+    packed: the packing bookkeeping, or None.
+    packed_seq_params: Megatron's PackedSeqParams for THD attention (packed, TE on GPU).
+    """
+
+    rows: TokenBatch
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    packed: PackedRows | None
+    packed_seq_params: Any = None
+
+
+class MegatronEngine:
+    """A Megatron GPT model on this rank's shard of the current layout.
+
+    hf_dir: HF checkpoint to load (directly into shards, through the mapping table).
+    dims: the layout; `initialize_layout(dims)` must have run in this process.
+    trainable: wrap in DDP and build the optimizer and LR schedule.
+    """
+
+    def __init__(
+        self, config: EngineConfig, *, hf_dir: str | Path, dims: ParallelDims, trainable: bool
+    ) -> None:
+        from megatron.core import parallel_state
+
+        from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
+        from rlhf_megatron.models.hf_checkpoint import load_hf_config
+
+        config.validate()
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("initialize_layout(dims) must run before an engine is built")
+        self.config, self.dims, self.trainable = config, dims, trainable
+        self.platform = current_platform()
+        self.hf_dir = Path(hf_dir)
+        # 1. HF config -> Megatron config for this layout (validates the layout against it).
+        self.hf_config = load_hf_config(self.hf_dir)
+        spec = ARCHITECTURES.for_hf_config(self.hf_config)
+        self.args = hf_to_megatron_args(
+            self.hf_config, spec, dims, params_dtype=config.params_dtype,
+            max_sequence_length=config.max_sequence_length,
+            recompute_activations=config.recompute_activations,
+        )
+        self.vocab_size = self.args.vocab_size
+        # 2. Build this rank's chunks and fill them from the HF checkpoint.
+        self.chunks = self._build_chunks()
+        # 3. Trainable engines: DDP (fp32 main grads), optimizer, LR schedule.
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self._wrap_for_training()
+        else:
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+
+    # ------------------------------------------------------------------ building
+    def _build_chunks(self) -> list[Any]:
+        from rlhf_megatron.models import build_model_chunks
+        from rlhf_megatron.models.hf_load import load_hf_into_model
+
+        chunks = build_model_chunks(self.args)
+        load_hf_into_model(chunks, self.hf_dir, self.args)
+        return self._to_device(chunks)
+
+    def _to_device(self, chunks: list[Any]) -> list[Any]:
+        from megatron.core.transformer.module import Float16Module
+
+        if self.platform.is_cuda:
+            chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+        if self.config.params_dtype != torch.float32:
+            # Float16Module casts inputs to bf16/fp16 and the last stage's outputs back to fp32.
+            chunks = [Float16Module(self.args.transformer_config, chunk) for chunk in chunks]
+        return chunks
+
+    def _wrap_for_training(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt = self.config.optimizer
+        distributed_optimizer = opt.use_distributed_optimizer and (
+            self.platform.supports_distributed_optimizer
+        )
+        tc = self.args.transformer_config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=distributed_optimizer,
+        )
+        self.chunks = [
+            # Megatron buckets only the first chunk (its convention for interleaved pipelines).
+            DistributedDataParallel(tc, ddp_config, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(self.chunks)
+        ]
+        optimizer_config = OptimizerConfig(
+            optimizer=opt.name, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+            adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+            sgd_momentum=opt.sgd_momentum, clip_grad=opt.clip_grad,
+            bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
+            use_distributed_optimizer=distributed_optimizer,
+        )
+        # On CPU every group is gloo already; Megatron's extra gloo groups were not created.
+        self.optimizer = get_megatron_optimizer(
+            optimizer_config, self.chunks, use_gloo_process_groups=self.platform.is_cuda
+        )
+        self.scheduler = self._build_scheduler()
+        # The schedule calls these: DP all-reduce + tied-embedding sync, and loss scaling.
+        tc.finalize_model_grads_func = finalize_model_grads
+        tc.grad_scale_func = self.optimizer.scale_loss
+
+    def _build_scheduler(self) -> Any:
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        opt = self.config.optimizer
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if opt.warmup_steps else opt.lr, max_lr=opt.lr,
+            min_lr=opt.min_lr, lr_warmup_steps=opt.warmup_steps,
+            lr_decay_steps=opt.warmup_steps + opt.total_steps, lr_decay_style=opt.lr_decay_style,
+            start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+            wd_incr_steps=opt.warmup_steps + opt.total_steps, wd_incr_style="constant",
+        )
+
+    # ------------------------------------------------------------------ micro-batches
+    def make_micro_batches(self, batch: TokenBatch) -> list[MicroBatch]:
+        """Cut `batch` by rows (micro_batch_size) or by the token budget, then pack or trim."""
+        if len(batch) == 0:
+            raise ConfigError("the batch is empty")
+        lengths = batch.lengths().tolist()
+        longest = max(lengths)
+        if longest > self.args.max_sequence_length:
+            raise ConfigError(
+                f"a sequence of {longest} tokens exceeds max_sequence_length="
+                f"{self.args.max_sequence_length}"
+            )
+        budget = self.config.max_tokens_per_micro_batch
+        if budget is not None:
+            groups = split_by_token_budget(lengths, budget)
+        else:
+            size = self.config.micro_batch_size
+            if len(batch) % size:
+                raise ConfigError(
+                    f"micro_batch_size={size} does not divide the batch of {len(batch)} rows"
+                )
+            groups = [list(range(i, i + size)) for i in range(0, len(batch), size)]
+        return [self._prepare(batch.select(rows)) for rows in groups]
+
+    def _prepare(self, rows: TokenBatch) -> MicroBatch:
+        width = int(rows.lengths().max())
+        rows = TokenBatch(
+            rows.input_ids[:, :width], rows.attention_mask[:, :width], rows.loss_mask[:, :width],
+            {k: v[:, :width] if v.dim() > 1 else v for k, v in rows.fields.items()},
+        )
+        device = self.platform.device()
+        if not self.config.use_packing:
+            positions = torch.arange(width).expand(len(rows), -1)
+            return MicroBatch(rows, rows.input_ids.to(device), positions.to(device), None, None)
+        packed = pack_rows(rows.input_ids, rows.attention_mask)
+        tokens, positions = packed.tokens.to(device), packed.position_ids.to(device)
+        if self.args.use_te_spec:
+            # TE's THD attention keeps rows apart through cu_seqlens (no T x T mask).
+            return MicroBatch(rows, tokens, positions, None, packed, _thd_params(packed, device))
+        return MicroBatch(rows, tokens, positions, block_causal_mask(packed.lengths).to(device),
+                          packed)
+
+    # ------------------------------------------------------------------ running passes
+    def run_micro_batches(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, forward_only: bool
+    ) -> list[dict[str, Any]]:
+        """One pass of Megatron's schedule over `micro_batches`.
+
+        Returns loss_fn's per-micro-batch results on the last pipeline stage, [] elsewhere.
+        With forward_only=False the gradients accumulate into the DDP buffers (and are
+        all-reduced over DP at the end by finalize_model_grads).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        results: list[dict[str, Any]] = []
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            micro = next(data_iterator)
+            output = model(micro.tokens, micro.position_ids, micro.attention_mask,
+                           packed_seq_params=micro.packed_seq_params)
+
+            def on_last_stage(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                loss, values = loss_fn(micro, output_tensor)
+                results.append(values)
+                return loss, {}
+
+            return output, on_last_stage
+
+        vpp = len(self.chunks) > 1
+        if vpp and len(micro_batches) % self.dims.pp:
+            raise ConfigError(
+                f"interleaved pipelining needs a multiple of pp={self.dims.pp} micro-batches, "
+                f"got {len(micro_batches)}"
+            )
+        data = [iter(micro_batches) for _ in self.chunks] if vpp else iter(micro_batches)
+        context = torch.no_grad() if forward_only else torch.enable_grad()
+        with context:
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=self.chunks,
+                num_microbatches=len(micro_batches),
+                seq_length=max(m.tokens.shape[1] for m in micro_batches),
+                micro_batch_size=max(m.tokens.shape[0] for m in micro_batches),
+                forward_only=forward_only,
+            )
+        return results
+
+    def loss_scale_for_sum(self, num_micro_batches: int) -> float:
+        """Megatron divides each micro-batch loss by their count and DDP averages over DP(*CP).
+        Losses normalised by the global batch must be summed instead, so multiply this back."""
+        from megatron.core import parallel_state
+
+        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return float(num_micro_batches * dp_cp)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Step the optimizer and the LR schedule; zero the grads for the next step."""
+        assert self.optimizer is not None, "optimizer_step on an engine built with trainable=False"
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.zero_grad()
+        return {"grad_norm": float(grad_norm or 0.0), "lr": float(lr),
+                "update_skipped": float(not update_ok)}
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ collectives
+    def broadcast_from_last_stage(self, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """Give every pipeline stage the last stage's `tensor` (shape and dtype of `like`)."""
+        from megatron.core import parallel_state
+
+        if self.dims.pp == 1:
+            return tensor
+        buffer = tensor if tensor is not None else torch.empty_like(like)
+        source = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(buffer, src=source, group=parallel_state.get_pipeline_model_parallel_group())
+        return buffer
+
+    def all_reduce_dp(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(global Megatron name, parameter) of this rank's shard, over all chunks."""
+        from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
+
+        named = []
+        for chunk in self.chunks:
+            module = unwrap(chunk)
+            offset = layer_offset_of(module)
+            named += [(global_layer_name(n, offset), p) for n, p in module.named_parameters()]
+        return named
+
+
+def _thd_params(packed: PackedRows, device: torch.device) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = packed.cu_seqlens.to(device)
+    longest = int(packed.lengths.max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

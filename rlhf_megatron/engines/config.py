@@ -1,0 +1,84 @@
+"""Engine settings: the optimizer, the LR schedule and how batches become micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf_megatron.errors import ConfigError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    name: str = "adam"
+    """'adam' (Megatron's Adam with decoupled weight decay, i.e. AdamW) or 'sgd'."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the cosine decay."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to `lr` over this many optimizer steps."""
+    total_steps: int = 1_000_000
+    """Steps of the decay schedule (after warm-up)."""
+    lr_decay_style: str = "constant"
+    """'constant' or 'cosine'."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over DP where the platform allows it (CUDA only)."""
+
+    def validate(self) -> None:
+        if self.name not in ("adam", "sgd"):
+            raise ConfigError(f"optimizer.name={self.name!r}: expected 'adam' or 'sgd'")
+        if self.lr_decay_style not in ("constant", "cosine"):
+            raise ConfigError(
+                f"optimizer.lr_decay_style={self.lr_decay_style!r}: expected 'constant' or 'cosine'"
+            )
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.lr={self.lr}, min_lr={self.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ConfigError(
+                f"optimizer.warmup_steps={self.warmup_steps}, total_steps={self.total_steps}: "
+                "need warmup_steps >= 0 and total_steps >= 1"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    micro_batch_size: int = 1
+    """Rows per micro-batch when `max_tokens_per_micro_batch` is not set."""
+    max_tokens_per_micro_batch: int | None = None
+    """Dynamic micro-batching: group rows so each micro-batch holds at most this many tokens."""
+    use_packing: bool = False
+    """Remove padding: pack the rows of a micro-batch into one sequence (block-diagonal mask)."""
+    dtype: str = "fp32"
+    """'fp32' everywhere on CPU; 'bf16' with fp32 main grads/params on GPU."""
+    recompute_activations: bool = False
+    """Full activation recompute (uniform, one layer at a time)."""
+    max_sequence_length: int | None = None
+    """Longest prompt+response; defaults to the model's max_position_embeddings."""
+    seed: int = 1234
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def validate(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"engine.dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"engine.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(
+                f"engine.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 1"
+            )
+        self.optimizer.validate()

@@ -1,0 +1,67 @@
+"""Log-probs and entropy from vocab-parallel logits, without gathering the vocabulary.
+
+Each TP rank holds logits for its slice [start, start + V_local) of the padded vocabulary. The
+softmax normaliser, the target logit and the entropy's expectation term are sums over the
+vocabulary, so each rank sums its slice and one all-reduce finishes them. The all-reduce is
+Megatron's `reduce_from_tensor_model_parallel_region` (identity in backward), which gives the
+exact gradient of a sum of per-shard terms. Padded vocabulary columns (ids >= the real vocab size)
+are excluded from the softmax so the result equals HF's on the unpadded vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    compute_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and the entropy of each position's distribution.
+
+    logits: (..., V_local) this TP rank's slice of the padded vocabulary (any float dtype;
+        computed in fp32).
+    targets: (...) int64 global token ids (< vocab_size).
+    vocab_size: the real (unpadded) vocabulary size.
+    Returns logprobs (...) and entropy (...) (or None), both fp32 and identical on all TP ranks.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    local_vocab = logits.shape[-1]
+    start = tp_rank * local_vocab
+    logits = logits.float()
+    column = torch.arange(start, start + local_vocab, device=logits.device)
+    padding = column >= vocab_size
+    logits = logits.masked_fill(padding, float("-inf"))
+
+    # The max only stabilises exp(); the result does not depend on it, so it needs no gradient.
+    global_max = logits.detach().max(dim=-1).values
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(
+            global_max, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+        )
+    shifted = logits - global_max.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    log_normaliser = sum_exp.log()
+
+    in_slice = (targets >= start) & (targets < start + local_vocab)
+    local_index = (targets - start).clamp(0, local_vocab - 1)
+    target_logit = shifted.gather(-1, local_index.unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_tensor_model_parallel_region(
+        torch.where(in_slice, target_logit, torch.zeros_like(target_logit))
+    )
+    logprobs = target_logit - log_normaliser
+    if not compute_entropy:
+        return logprobs, None
+    probs = exp / sum_exp.unsqueeze(-1)
+    # H = log Z - E_p[shifted logit]; padded columns have p = 0 and -inf logits, so drop them.
+    expected = (probs * shifted.masked_fill(padding, 0.0)).sum(dim=-1)
+    entropy = log_normaliser - reduce_from_tensor_model_parallel_region(expected)
+    return logprobs, entropy
