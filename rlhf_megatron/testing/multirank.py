@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -48,7 +49,9 @@ def _rank_main(
 
         initialize_distributed(timeout_minutes=5)
         value = fn(*args)
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensor bytes; the queue's own pickler would share them through
+        # file descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # report everything, including assertion failures
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -95,7 +98,7 @@ def run_on_ranks(
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
-            outcomes[rank] = value
+            outcomes[rank] = pickle.loads(value)
     finally:
         _stop(procs)
     return [outcomes[rank] for rank in range(world_size)]
