@@ -25,6 +25,7 @@ from rlhf_megatron.data.packing import (
     split_by_token_budget,
 )
 from rlhf_megatron.engines.config import EngineConfig
+from rlhf_megatron.engines.offload import Offloader
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.parallel import ParallelDims
 from rlhf_megatron.platform import current_platform
@@ -89,6 +90,7 @@ class MegatronEngine:
         self.chunks = self._build_chunks()
         # 3. Trainable engines: DDP (fp32 main grads), optimizer, LR schedule.
         self.optimizer = self.scheduler = None
+        self._offloader = Offloader()
         if trainable:
             self._wrap_for_training()
         else:
@@ -276,6 +278,28 @@ class MegatronEngine:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ colocation, checkpoints
+    def offload(self) -> int:
+        """Move params, grad buffers and optimizer state off the device (see engines/offload.py).
+        Returns the bytes freed on this rank."""
+        from rlhf_megatron.engines.offload import engine_state_tensors
+
+        return self._offloader.offload(engine_state_tensors(self))
+
+    def onload(self) -> None:
+        """Bring back exactly what `offload()` moved (bitwise)."""
+        self._offloader.onload()
+
+    def save_checkpoint(self, directory: str | Path, *, step: int) -> Path:
+        from rlhf_megatron.engines.checkpoint import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, directory, step=step)
+
+    def load_checkpoint(self, directory: str | Path, *, load_optimizer: bool = True) -> int:
+        from rlhf_megatron.engines.checkpoint import load_engine_checkpoint
+
+        return load_engine_checkpoint(self, directory, load_optimizer=load_optimizer)
 
     # ------------------------------------------------------------------ collectives
     def broadcast_from_last_stage(self, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""Training checkpoints of an engine through Megatron dist-checkpointing (torch_dist).
+
+Layout of a checkpoint directory:
+  <dir>/            the dist-checkpoint: model ("model" or "model0", "model1", ... with VPP) and,
+                    for trainable engines, "optimizer" (Megatron's sharded optimizer state)
+  <dir>/engine_state.pt          LR scheduler state and the step (written by global rank 0)
+  <dir>/rng/rank_<r>.pt          each rank's torch and Megatron-tracker RNG states
+
+What loads where: model weights load at any TP/PP (sharded tensors are layout-free). The
+optimizer state (non-distributed optimizer) is sharded like the parameters and is saved and
+restored at the same layout; loading it at another layout is not tested and not promised. RNG
+states are restored only when the world size matches. The directory is written under
+"<dir>.tmp" and renamed when every rank has finished, so a crash never leaves a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf_megatron.errors import ConfigError
+
+
+def _model_sharded_state(engine: Any) -> dict[str, Any]:
+    from rlhf_megatron.engines.base import unwrap
+
+    chunks = [unwrap(chunk) for chunk in engine.chunks]
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> Path:
+    """Save model (+ optimizer, scheduler, RNG) to `directory` atomically; returns the path."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    staging = directory.with_name(directory.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    state = _model_sharded_state(engine)
+    if engine.optimizer is not None:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(dict(state))
+    dist_checkpointing.save(state, str(staging))
+    (staging / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), staging / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        scheduler = engine.scheduler.state_dict() if engine.scheduler is not None else None
+        torch.save({"scheduler": scheduler, "step": step,
+                    "world_size": dist.get_world_size()}, staging / "engine_state.pt")
+    dist.barrier()
+    if rank == 0:
+        if directory.exists():
+            shutil.rmtree(directory)
+        staging.rename(directory)
+    dist.barrier()
+    return directory
+
+
+def load_engine_checkpoint(
+    engine: Any, directory: str | Path, *, load_optimizer: bool = True
+) -> int:
+    """Load a checkpoint written by `save_engine_checkpoint` into `engine`; returns the step."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if not (directory / "engine_state.pt").is_file():
+        raise ConfigError(f"{directory} is not an engine checkpoint (no engine_state.pt)")
+    template = _model_sharded_state(engine)
+    want_optimizer = load_optimizer and engine.optimizer is not None
+    if want_optimizer:
+        template["optimizer"] = engine.optimizer.sharded_state_dict(dict(template), is_loading=True)
+    loaded = dist_checkpointing.load(template, str(directory))
+    from rlhf_megatron.engines.base import unwrap
+
+    chunks = [unwrap(chunk) for chunk in engine.chunks]
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for chunk, key in zip(chunks, keys):
+        chunk.load_state_dict(loaded[key])
+    meta = torch.load(directory / "engine_state.pt", weights_only=False)
+    if want_optimizer:
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+        if engine.scheduler is not None and meta["scheduler"] is not None:
+            engine.scheduler.load_state_dict(meta["scheduler"])
+    rng_file = directory / "rng" / f"rank_{dist.get_rank()}.pt"
+    if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return int(meta["step"])
