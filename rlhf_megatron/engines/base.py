@@ -69,7 +69,6 @@ class MegatronEngine:
         from megatron.core import parallel_state
 
         from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
-        from rlhf_megatron.models.hf_checkpoint import load_hf_config
 
         config.validate()
         if not parallel_state.model_parallel_is_initialized():
@@ -78,7 +77,7 @@ class MegatronEngine:
         self.platform = current_platform()
         self.hf_dir = Path(hf_dir)
         # 1. HF config -> Megatron config for this layout (validates the layout against it).
-        self.hf_config = load_hf_config(self.hf_dir)
+        self.hf_config = self._load_hf_config(self.hf_dir)
         spec = ARCHITECTURES.for_hf_config(self.hf_config)
         self.args = hf_to_megatron_args(
             self.hf_config, spec, dims, params_dtype=config.params_dtype,
@@ -99,6 +98,11 @@ class MegatronEngine:
                 chunk.eval()
 
     # ------------------------------------------------------------------ building
+    def _load_hf_config(self, hf_dir: Path) -> Any:
+        from rlhf_megatron.models.hf_checkpoint import load_hf_config
+
+        return load_hf_config(hf_dir)
+
     def _build_chunks(self) -> list[Any]:
         from rlhf_megatron.models import build_model_chunks
         from rlhf_megatron.models.hf_load import load_hf_into_model

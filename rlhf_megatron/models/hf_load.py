@@ -37,11 +37,13 @@ def load_hf_weights(
     tp: int,
     tp_rank: int,
     on_param: Callable[[str], None] | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> LoadStats:
     """Copy this rank's shard of every parameter of `chunks` from `checkpoint`.
 
     chunks: this rank's model chunks (GPTModel, optionally wrapped in DDP / Float16Module).
     on_param: called with each global Megatron name once it is loaded (progress bars).
+    skip: global Megatron names to leave alone (e.g. a critic's freshly built value head).
     Raises CheckpointError for an unmapped parameter or a shard whose shape disagrees.
     """
     stats = LoadStats()
@@ -50,6 +52,8 @@ def load_hf_weights(
         offset = layer_offset_of(chunk)
         for local_name, param in chunk.named_parameters():
             name = global_layer_name(local_name, offset)
+            if skip is not None and skip(name):
+                continue
             resolved = table.resolve(name)
             if resolved is None:
                 raise CheckpointError(f"no mapping for Megatron parameter {name!r}")

@@ -112,3 +112,24 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+
+
+def write_tiny_hf_reward_model(
+    out_dir: str | Path, base_architecture: str = "Qwen2ForCausalLM", *, seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """A tiny HF `*ForSequenceClassification` model (num_labels=1, `score` head) + tokenizer."""
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tiny_tokenizer(out_dir)
+    head = base_architecture.replace("ForCausalLM", "ForSequenceClassification")
+    config = tiny_hf_config(base_architecture, vocab_size=len(tokenizer), **config_overrides)
+    config.architectures = [head]
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(config)
+    _randomize_norms(model, seed)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    return out_dir
