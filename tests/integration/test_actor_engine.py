@@ -11,6 +11,7 @@ from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 TOLERANCE = 1e-5
 LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # on 2 ranks: TP2, PP2, DP2
+PARITY_LAYOUTS = [(2, 1, None), (1, 2, None), (1, 1, None), (1, 2, 2)]  # + PP2 x VPP2
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,8 @@ def _logprob_parity_job(hf_dir: str) -> dict:
     from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
 
     diffs = {}
-    for tp, pp in LAYOUTS:
-        dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp)
+    for tp, pp, vpp in PARITY_LAYOUTS:
+        dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp, vpp=vpp)
         initialize_layout(dims)
         for packing in (False, True):
             engine = ActorEngine(EngineConfig(micro_batch_size=2, use_packing=packing),
@@ -66,7 +67,7 @@ def _logprob_parity_job(hf_dir: str) -> dict:
             batch = _dp_share(_batch(), dims)
             out = engine.compute_logprobs(batch, with_entropy=True)
             ref_lp, ref_ent = _hf_token_values(hf_dir, batch)
-            diffs[f"tp{tp}pp{pp}dp{dims.dp}-pack{int(packing)}"] = (
+            diffs[f"tp{tp}pp{pp}vpp{vpp or 1}dp{dims.dp}-pack{int(packing)}"] = (
                 (out["logprobs"] - ref_lp).abs().max().item(),
                 (out["entropy"] - ref_ent).abs().max().item(),
                 int(batch.loss_mask.sum()),
@@ -79,7 +80,7 @@ def _logprob_parity_job(hf_dir: str) -> dict:
 def test_logprobs_and_entropy_match_hf_at_tp2_pp2_dp2(hf_dir):
     per_rank = run_on_ranks(_logprob_parity_job, 2, (hf_dir,), timeout_s=600)
     for diffs in per_rank:
-        assert len(diffs) == 6
+        assert len(diffs) == 2 * len(PARITY_LAYOUTS)
         for case, (lp, ent, scored) in diffs.items():
             assert scored > 0, case
             assert lp < TOLERANCE, f"{case}: logprobs differ by {lp}"
@@ -95,7 +96,9 @@ def _update_inputs(hf_dir: str, batch):
     return batch.with_fields(old_logprobs=(lp + noise) * batch.loss_mask, advantages=advantages)
 
 
-def _one_update(hf_dir: str, tp: int, pp: int, aggregation: str, packing: bool):
+def _one_update(
+    hf_dir: str, tp: int, pp: int, aggregation: str, packing: bool, recompute: bool = False
+):
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
@@ -107,7 +110,8 @@ def _one_update(hf_dir: str, tp: int, pp: int, aggregation: str, packing: bool):
     # SGD keeps the update linear in the gradient, so 1e-5 on weights checks the gradient itself
     # (Adam's first step is ~lr * sign(g) and would amplify round-off near zero).
     optimizer = OptimizerSettings(name="sgd", lr=0.5, clip_grad=0.0)
-    config = EngineConfig(micro_batch_size=2, use_packing=packing, optimizer=optimizer)
+    config = EngineConfig(micro_batch_size=2, use_packing=packing, optimizer=optimizer,
+                          recompute_activations=recompute)
     engine = ActorEngine(config, hf_dir=hf_dir, dims=dims)
     before = {name: p.detach().clone() for name, p in engine.named_parameters()}
     batch = _dp_share(_update_inputs(hf_dir, _batch()), dims)
@@ -131,8 +135,11 @@ def _layout_update_job(hf_dir: str, aggregation: str, reference: dict) -> dict:
     from rlhf_megatron.models.megatron_layout import resize_vocab_rows
 
     worst = {}
-    for (tp, pp), packing in zip(LAYOUTS, (True, False, True)):
-        weights, metrics, tp_rank, padded = _one_update(hf_dir, tp, pp, aggregation, packing)
+    # Packing at TP2 and DP2; full activation recompute at PP2.
+    for (tp, pp), packing, recompute in zip(LAYOUTS, (True, False, True), (False, True, False)):
+        weights, metrics, tp_rank, padded = _one_update(
+            hf_dir, tp, pp, aggregation, packing, recompute
+        )
         diff = 0.0
         for name, shard in weights.items():
             full = reference["weights"][name]
