@@ -47,8 +47,12 @@ def _hf_logprobs(model, batch) -> torch.Tensor:
 
 
 def _hf_update(model, optimizer, batch, old: torch.Tensor) -> None:
-    from rlhf_megatron.algorithms import LossAggregation, PolicyLossInputs, compute_policy_loss
-    from rlhf_megatron.algorithms import compute_loss_normalizer
+    from rlhf_megatron.algorithms import (
+        LossAggregation,
+        PolicyLossInputs,
+        compute_loss_normalizer,
+        compute_policy_loss,
+    )
 
     mask = batch.loss_mask[:, 1:]
     lp = _hf_logprobs(model, batch)
@@ -65,8 +69,12 @@ def _hf_update(model, optimizer, batch, old: torch.Tensor) -> None:
 def _job(hf_dir: str, rows: int, seq: int, repeats: int) -> dict:
     import transformers
 
-    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.engines import PolicyUpdateSettings
+    from rlhf_megatron.engines import (
+        ActorEngine,
+        EngineConfig,
+        OptimizerSettings,
+        PolicyUpdateSettings,
+    )
     from rlhf_megatron.parallel import ParallelDims, initialize_layout
 
     torch.set_num_threads(2)

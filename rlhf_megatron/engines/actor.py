@@ -93,32 +93,11 @@ class ReferenceEngine(MegatronEngine):
             return lp.new_zeros(()), values
 
         results = self.run_micro_batches(micro_batches, read_out, forward_only=True)
-        order = torch.cat([self._row_ids(batch, m) for m in micro_batches])
-        out = {}
-        for name in ["logprobs"] + (["entropy"] if with_entropy else []):
-            full = None
-            if results:
-                full = torch.zeros(len(batch), batch.seq_len, dtype=torch.float32)
-                pieces = [r[name].detach().float().cpu() for r in results]
-                for rows, piece in zip(self._split_ids(order, micro_batches), pieces):
-                    full[rows, : piece.shape[1]] = piece
-            out[name] = self.broadcast_from_last_stage(
-                full, like=torch.zeros(len(batch), batch.seq_len)
-            )
-        return out
-
-    @staticmethod
-    def _row_ids(batch: TokenBatch, micro: MicroBatch) -> torch.Tensor:
-        return micro.rows.fields["_row_id"]
-
-    @staticmethod
-    def _split_ids(order: torch.Tensor, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
-        return list(order.split([len(m.rows) for m in micro_batches]))
-
-    def make_micro_batches(self, batch: TokenBatch) -> list[MicroBatch]:
-        # Remember each row's place so results can be put back in batch order.
-        tagged = batch.with_fields(_row_id=torch.arange(len(batch)))
-        return super().make_micro_batches(tagged)
+        names = ["logprobs"] + (["entropy"] if with_entropy else [])
+        return {
+            name: self.rows_in_batch_order(batch, micro_batches, [r[name] for r in results])
+            for name in names
+        }
 
 
 class ActorEngine(ReferenceEngine):
@@ -170,7 +149,7 @@ class ActorEngine(ReferenceEngine):
             return loss * scale, values
 
         results = self.run_micro_batches(micro_batches, policy_loss, forward_only=False)
-        metrics = self._reduce_metrics(results)
+        metrics = self.reduce_metrics(results, summed={"pg_loss", "entropy", "kl_loss"})
         metrics.update(self.optimizer_step())
         return metrics
 
@@ -179,33 +158,3 @@ class ActorEngine(ReferenceEngine):
         for micro in micro_batches:
             local = local + compute_loss_normalizer(micro.rows.loss_mask)
         return LossNormalizer.from_tensor(self.all_reduce_dp(local.to_tensor()))
-
-    def _reduce_metrics(self, results: list[dict[str, float]]) -> dict[str, float]:
-        """Sums of the loss terms (they are already globally normalised); means of the rest;
-        then over DP ranks, from the last pipeline stage."""
-        names = sorted(results[0]) if results else []
-        names = self.broadcast_names(names)
-        summed = {"pg_loss", "entropy", "kl_loss"}
-        local = torch.tensor(
-            [sum(r[n] for r in results) / (1 if n in summed else max(len(results), 1))
-             for n in names], dtype=torch.float64,
-        ) if results else torch.zeros(len(names), dtype=torch.float64)
-        local = self.broadcast_from_last_stage(local if results else None, like=local)
-        from megatron.core import parallel_state
-
-        totals = self.all_reduce_dp(local.clone())
-        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        return {n: float(totals[i] if n in summed else totals[i] / dp) for i, n in enumerate(names)}
-
-    def broadcast_names(self, names: list[str]) -> list[str]:
-        """The metric names known on the last stage, on every stage."""
-        from megatron.core import parallel_state
-
-        if self.dims.pp == 1:
-            return names
-        holder = [names]
-        torch.distributed.broadcast_object_list(
-            holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
-        )
-        return holder[0]

@@ -177,6 +177,8 @@ class MegatronEngine:
         """Cut `batch` by rows (micro_batch_size) or by the token budget, then pack or trim."""
         if len(batch) == 0:
             raise ConfigError("the batch is empty")
+        # Each row remembers its place so results can be put back in batch order.
+        batch = batch.with_fields(_row_id=torch.arange(len(batch)))
         lengths = batch.lengths().tolist()
         longest = max(lengths)
         if longest > self.args.max_sequence_length:
@@ -205,8 +207,10 @@ class MegatronEngine:
         device = self.platform.device()
         if not self.config.use_packing:
             positions = torch.arange(width).expand(len(rows), -1)
-            return MicroBatch(rows, rows.input_ids.to(device), positions.to(device), None, None)
+            rows = rows.to(device)  # loss functions combine these fields with model outputs
+            return MicroBatch(rows, rows.input_ids, positions.to(device), None, None)
         packed = pack_rows(rows.input_ids, rows.attention_mask)
+        rows = rows.to(device)
         tokens, positions = packed.tokens.to(device), packed.position_ids.to(device)
         if self.args.use_te_spec:
             # TE's THD attention keeps rows apart through cu_seqlens (no T x T mask).
@@ -306,24 +310,78 @@ class MegatronEngine:
         return load_engine_checkpoint(self, directory, load_optimizer=load_optimizer)
 
     # ------------------------------------------------------------------ collectives
-    def broadcast_from_last_stage(self, tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        """Give every pipeline stage the last stage's `tensor` (shape and dtype of `like`)."""
+    def broadcast_from_last_stage(
+        self, tensor: torch.Tensor | None, like: torch.Tensor
+    ) -> torch.Tensor:
+        """Give every pipeline stage the last stage's CPU `tensor` (shape and dtype of `like`)."""
         from megatron.core import parallel_state
 
         if self.dims.pp == 1:
             return tensor
-        buffer = tensor if tensor is not None else torch.empty_like(like)
+        # NCCL moves device tensors only; gloo is happy either way.
+        device = self.platform.device()
+        buffer = (tensor if tensor is not None else torch.empty_like(like)).to(device)
         source = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast(buffer, src=source, group=parallel_state.get_pipeline_model_parallel_group())
-        return buffer
+        return buffer.cpu()
 
     def all_reduce_dp(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce a CPU tensor over the DP(*CP) group; returns a CPU tensor."""
         from megatron.core import parallel_state
 
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(tensor, op=op, group=group)
-        return tensor
+        if dist.get_world_size(group) == 1:
+            return tensor
+        buffer = tensor.to(self.platform.device())
+        dist.all_reduce(buffer, op=op, group=group)
+        return buffer.cpu()
+
+    def rows_in_batch_order(
+        self, batch: TokenBatch, micro_batches: list[MicroBatch], pieces: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Put per-micro-batch (b, s) results back in batch order as one (bs, S) CPU tensor,
+        on every pipeline stage (`pieces` exist on the last stage only)."""
+        full = None
+        if pieces:
+            full = torch.zeros(len(batch), batch.seq_len)
+            for micro, piece in zip(micro_batches, pieces):
+                rows = micro.rows.fields["_row_id"].cpu()
+                full[rows, : piece.shape[1]] = piece.detach().float().cpu()
+        return self.broadcast_from_last_stage(full, like=torch.zeros(len(batch), batch.seq_len))
+
+    def reduce_metrics(
+        self, results: list[dict[str, float]], *, summed: set[str]
+    ) -> dict[str, float]:
+        """Per-micro-batch metrics (last pipeline stage) -> one dict on every rank.
+
+        Names in `summed` are loss terms already normalised by the global batch: summed over
+        micro-batches and DP ranks. The rest are averaged over micro-batches, then DP ranks.
+        """
+        from megatron.core import parallel_state
+
+        names = self._metric_names(sorted(results[0]) if results else [])
+        local = torch.zeros(len(names), dtype=torch.float64)
+        for i, name in enumerate(names):
+            if results:
+                total = sum(r[name] for r in results)
+                local[i] = total if name in summed else total / len(results)
+        local = self.broadcast_from_last_stage(local if results else None, like=local)
+        totals = self.all_reduce_dp(local.clone())
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return {n: float(totals[i] if n in summed else totals[i] / dp) for i, n in enumerate(names)}
+
+    def _metric_names(self, names: list[str]) -> list[str]:
+        """The metric names known on the last stage, on every stage."""
+        from megatron.core import parallel_state
+
+        if self.dims.pp == 1:
+            return names
+        holder = [names]
+        dist.broadcast_object_list(
+            holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return holder[0]
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(global Megatron name, parameter) of this rank's shard, over all chunks."""

@@ -19,8 +19,12 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.algorithms import LossAggregation, LossNormalizer, compute_loss_normalizer
-from rlhf_megatron.algorithms import compute_value_loss
+from rlhf_megatron.algorithms import (
+    LossAggregation,
+    LossNormalizer,
+    compute_loss_normalizer,
+    compute_value_loss,
+)
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.packing import unpack_rows
 from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
@@ -117,22 +121,17 @@ class ValueModelEngine(MegatronEngine):
 
     def _head_outputs(self, batch: TokenBatch) -> tuple[list[MicroBatch], torch.Tensor]:
         """(bs, S) head outputs at every position (not shifted), in batch order."""
-        micro_batches = self.make_micro_batches(batch.with_fields(_row_id=torch.arange(len(batch))))
+        micro_batches = self.make_micro_batches(batch)
 
         def read_out(micro: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
             values = output.squeeze(-1).float()
             if micro.packed is not None:
                 values = unpack_rows(values.unsqueeze(-1), micro.packed, micro.rows.seq_len)[..., 0]
-            return values.new_zeros(()), {"values": values.detach().cpu()}
+            return values.new_zeros(()), {"values": values}
 
         results = self.run_micro_batches(micro_batches, read_out, forward_only=True)
-        full = None
-        if results:
-            full = torch.zeros(len(batch), batch.seq_len)
-            for micro, result in zip(micro_batches, results):
-                full[micro.rows.fields["_row_id"], : result["values"].shape[1]] = result["values"]
-        return micro_batches, self.broadcast_from_last_stage(
-            full, like=torch.zeros(len(batch), batch.seq_len)
+        return micro_batches, self.rows_in_batch_order(
+            batch, micro_batches, [r["values"] for r in results]
         )
 
 
@@ -180,19 +179,7 @@ class CriticEngine(ValueModelEngine):
                                   **{k: float(v) for k, v in metrics.items()}}
 
         results = self.run_micro_batches(micro_batches, value_loss, forward_only=False)
-        names = ["vf_loss", "vf_clipfrac"]
-        local_metrics = torch.tensor(
-            [sum(r[n] for r in results) / (1 if n == "vf_loss" else len(results)) for n in names]
-            if results else [0.0] * len(names), dtype=torch.float64,
-        )
-        local_metrics = self.broadcast_from_last_stage(
-            local_metrics if results else None, like=local_metrics
-        )
-        totals = self.all_reduce_dp(local_metrics.clone())
-        from megatron.core import parallel_state
-
-        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        metrics = {"vf_loss": float(totals[0]), "vf_clipfrac": float(totals[1] / dp)}
+        metrics = self.reduce_metrics(results, summed={"vf_loss"})
         metrics.update(self.optimizer_step())
         return metrics
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-
 _STAGING_BYTES = 16 << 20
 
 

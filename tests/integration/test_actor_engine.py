@@ -101,8 +101,12 @@ def _one_update(
 ):
     import torch.distributed as dist
 
-    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.engines import PolicyUpdateSettings
+    from rlhf_megatron.engines import (
+        ActorEngine,
+        EngineConfig,
+        OptimizerSettings,
+        PolicyUpdateSettings,
+    )
     from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
 
     dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp)
