@@ -33,7 +33,7 @@ def find_free_port() -> int:
 
 def _rank_main(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
-    env: dict[str, str], results: Any,
+    env: dict[str, str], results: Any, init_distributed: bool = True,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -47,7 +47,8 @@ def _rank_main(
     try:
         from rlhf_megatron.parallel import initialize_distributed
 
-        initialize_distributed(timeout_minutes=5)
+        if init_distributed:
+            initialize_distributed(timeout_minutes=5)
         value = fn(*args)
         # Plain pickle copies tensor bytes; the queue's own pickler would share them through
         # file descriptors that vanish when this process exits before the parent reads them.
@@ -69,10 +70,13 @@ def run_on_ranks(
     *,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    init_distributed: bool = True,
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` ranks; return the per-rank results in rank order.
 
     `fn` must be importable by name (a module-level function) and its result picklable.
+    init_distributed=False leaves torch.distributed alone (e.g. for a process that hosts vLLM,
+    which brings its own process group).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -80,7 +84,8 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, tuple(args), dict(env or {}), results),
+            args=(fn, rank, world_size, port, tuple(args), dict(env or {}), results,
+                  init_distributed),
             daemon=False,
         )
         for rank in range(world_size)

