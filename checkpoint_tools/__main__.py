@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import resource
 import sys
 from collections.abc import Sequence
 
+from checkpoint_tools.common import peak_rss_mb
 from rlhf_megatron.errors import RlhfMegatronError
 
 EXIT_BAD_INPUT = 2
 EXIT_MISMATCH = 1
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> int:
@@ -32,7 +28,7 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
     stats = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                 force=args.force, progress=not args.quiet)
     print(f"wrote {args.out}: {stats['params']} Megatron tensors, {stats['bytes'] / 1e6:.1f} MB "
-          f"in {stats['seconds']:.1f} s; peak RSS {_peak_rss_mb():.0f} MB")
+          f"in {stats['seconds']:.1f} s; peak RSS {peak_rss_mb():.0f} MB")
     return 0
 
 
@@ -43,7 +39,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
                                 force=args.force, progress=not args.quiet)
     print(f"wrote {args.out}: {stats['hf_tensors']} tensors in {stats['files']} file(s), "
           f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s; "
-          f"peak RSS {_peak_rss_mb():.0f} MB")
+          f"peak RSS {peak_rss_mb():.0f} MB")
     return 0
 
 

@@ -136,6 +136,23 @@ def single_rank_group() -> Iterator[None]:
         yield
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MB.
+
+    Linux's VmHWM is per address space; `ru_maxrss` would also count a parent's peak from before
+    this process's exec, which misleads in subprocesses spawned by a big parent.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def parse_size(text: str) -> int:
     """'5GB' / '500MB' / '300KB' / '1024' -> bytes (decimal units, as transformers uses)."""
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,

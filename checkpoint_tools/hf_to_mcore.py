@@ -65,7 +65,11 @@ def convert_hf_to_mcore(
         tensors = preflight(checkpoint)
         with single_rank_group(), atomic_output_dir(out, force=force) as tmp:
             args = hf_to_megatron_args(config, spec, ParallelDims(1), params_dtype=DTYPES[dtype])
-            args = dataclasses.replace(args, padded_vocab_size=target.padded_vocab_size)
+            # Every weight is overwritten from the HF files: skip Megatron's random init (time,
+            # and a full-size temporary per weight on CPU).
+            no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
+            args = dataclasses.replace(args, transformer_config=no_init,
+                                       padded_vocab_size=target.padded_vocab_size)
             stats = _load_and_save(checkpoint, spec, args, tmp, progress=progress)
             assets = copy_hf_assets(hf_dir, tmp / ASSETS_DIR)
             ConvertedMetadata(

@@ -141,16 +141,18 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
         work.append((source, resolved))
         for role in resolved.mapping.hf:
             name = resolved.hf_names[role]
-            planned.append(PlannedTensor(name, tuple(hf_shapes[name]), source.dtype))
+            # One dtype throughout: on CPU Megatron keeps norm weights in fp32 even for bf16.
+            planned.append(PlannedTensor(name, tuple(hf_shapes[name]), DTYPES[metadata.dtype]))
     return work, planned
 
 
-def _hf_tensors(ckpt_dir: Path, work: list[tuple[SourceTensor, Any]], ctx: Any
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (hf_name, tensor) pairs in plan order."""
+def _hf_tensors(ckpt_dir: Path, work: list[tuple[SourceTensor, Any]], ctx: Any,
+                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (hf_name, tensor) pairs in plan order, cast to `dtype`."""
     for source, resolved in work:
         tensor = read_source(ckpt_dir, source)
-        yield from resolved.megatron_to_hf([tensor], ctx)
+        for name, hf_tensor in resolved.megatron_to_hf([tensor], ctx):
+            yield name, hf_tensor.to(dtype)
 
 
 def convert_mcore_to_hf(
@@ -179,7 +181,8 @@ def convert_mcore_to_hf(
     with atomic_output_dir(out, force=force) as tmp:
         writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes))
         with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
-            for name, tensor in _hf_tensors(ckpt_dir, work, ShardContext(shapes)):
+            for name, tensor in _hf_tensors(ckpt_dir, work, ShardContext(shapes),
+                                             DTYPES[metadata.dtype]):
                 writer.write(name, tensor)
                 bar.update(1)
         writer.close()

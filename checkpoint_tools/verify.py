@@ -34,7 +34,10 @@ def _megatron_args(metadata: ConvertedMetadata, tp: int, pp: int) -> Any:
             f"the checkpoint's padded vocabulary ({metadata.padded_vocab_size}) is not divisible "
             f"by tp={tp}; convert again with hf-to-mcore --tp {tp}"
         )
-    return dataclasses.replace(args, padded_vocab_size=metadata.padded_vocab_size)
+    # Every weight comes from the checkpoint: skip Megatron's random init.
+    no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
+    return dataclasses.replace(args, transformer_config=no_init,
+                               padded_vocab_size=metadata.padded_vocab_size)
 
 
 def max_logit_diff_on_this_rank(

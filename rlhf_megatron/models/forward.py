@@ -37,10 +37,14 @@ def forward_logits(
 
         return output, collect
 
+    # The interleaved (VPP) schedule wants one iterator per model chunk.
+    data: Any = iter(micro_batches)
+    if len(chunks) > 1:
+        data = [iter(micro_batches) for _ in chunks]
     with torch.no_grad():
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
+            data_iterator=data,
             model=list(chunks),
             num_microbatches=len(micro_batches),
             seq_length=seq,

@@ -9,6 +9,7 @@ one-line message naming the file or tensor.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -26,23 +27,63 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def read_safetensors_header(file: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """name -> (shape, dtype) from a safetensors file's JSON header, without mapping the file.
+
+    Raises CheckpointError naming the file when it is missing, corrupt or truncated.
+    """
+    if not file.is_file():
+        raise CheckpointError(f"missing safetensors file {file}")
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"header of {header_len} bytes in a file of {size}")
+            header = json.loads(handle.read(header_len))
+        header.pop("__metadata__", None)
+        entries = {
+            name: (torch.Size(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]])
+            for name, info in header.items()
+        }
+        data_end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    except Exception as exc:  # struct.error, ValueError, KeyError, TypeError
+        raise CheckpointError(f"corrupt safetensors file {file}: {exc}") from None
+    if 8 + header_len + data_end > size:
+        raise CheckpointError(
+            f"corrupt safetensors file {file}: truncated ({size} bytes, the header needs "
+            f"{8 + header_len + data_end})"
+        )
+    return entries
+
+
 class LazyTensor:
     """A tensor in a safetensors file; slicing reads only the selected bytes.
 
+    Each read maps the file, copies the slice out and unmaps it again, so pages read for earlier
+    tensors do not accumulate in this process's resident memory.
     shape: the stored shape; dtype: the stored torch dtype.
     """
 
-    def __init__(self, raw_slice: Any, name: str, file: Path) -> None:
-        self._slice = raw_slice
-        self.name = name
+    def __init__(self, file: Path, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
         self.file = file
-        self.shape = torch.Size(raw_slice.get_shape())
-        self.dtype = _SAFETENSORS_DTYPES.get(raw_slice.get_dtype(), torch.float32)
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+
+    @classmethod
+    def from_file(cls, file: str | Path, name: str) -> LazyTensor:
+        file = Path(file)
+        shape, dtype = read_safetensors_header(file)[name]
+        return cls(file, name, shape, dtype)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        from safetensors import safe_open
+
         try:
-            return self._slice[index]
-        except Exception as exc:  # safetensors raises its own types for truncated data
+            with safe_open(str(self.file), framework="pt") as handle:
+                return handle.get_slice(self.name)[index]
+        except Exception as exc:  # safetensors raises its own types for unreadable data
             raise CheckpointError(f"cannot read tensor {self.name!r} from {self.file}: {exc}") from None
 
     def numel(self) -> int:
@@ -76,14 +117,14 @@ class HFCheckpoint:
     """An HF checkpoint directory opened for lazy, shape-checked reads.
 
     Usage: `with HFCheckpoint(path) as ckpt: t = ckpt.open("model.norm.weight")[:]`.
-    File handles live on this object and are closed by `close()` / the context manager.
+    Parsed headers are cached on this object; no file stays mapped between reads.
     """
 
     def __init__(self, hf_dir: str | Path, *, check_shapes: bool = True) -> None:
         self.path = Path(hf_dir)
         self.config = load_hf_config(self.path)
+        self._headers: dict[Path, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self._file_of = self._weight_map()
-        self._handles: dict[Path, Any] = {}
         self._expected = expected_hf_shapes(self.config) if check_shapes else {}
 
     def _weight_map(self) -> dict[str, Path]:
@@ -97,19 +138,12 @@ class HFCheckpoint:
         single = self.path / SINGLE_FILE
         if not single.is_file():
             raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
-        return {name: single for name in self._handle(single).keys()}
+        return {name: single for name in self._header(single)}
 
-    def _handle(self, file: Path) -> Any:
-        from safetensors import safe_open
-
-        if file not in self._handles:
-            if not file.is_file():
-                raise CheckpointError(f"missing safetensors file {file}")
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except Exception as exc:
-                raise CheckpointError(f"corrupt safetensors file {file}: {exc}") from None
-        return self._handles[file]
+    def _header(self, file: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        if file not in self._headers:
+            self._headers[file] = read_safetensors_header(file)
+        return self._headers[file]
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -118,25 +152,24 @@ class HFCheckpoint:
         return name in self._file_of
 
     def open(self, name: str) -> LazyTensor:
-        """The lazy tensor `name`, its shape checked against config.json."""
+        """The lazy tensor `name`, its shape checked against config.json (reads no data)."""
         if name not in self._file_of:
             raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
         file = self._file_of[name]
-        handle = self._handle(file)
-        try:
-            tensor = LazyTensor(handle.get_slice(name), name, file)
-        except Exception as exc:
-            raise CheckpointError(f"cannot read tensor {name!r} from {file}: {exc}") from None
+        header = self._header(file)
+        if name not in header:
+            raise CheckpointError(f"tensor {name!r} is missing from {file} (the index names it)")
+        shape, dtype = header[name]
         expected = self._expected.get(name)
-        if expected is not None and tensor.shape != expected:
+        if expected is not None and shape != expected:
             raise CheckpointError(
-                f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)} but config.json "
+                f"tensor {name!r} in {file.name} has shape {tuple(shape)} but config.json "
                 f"implies {tuple(expected)}"
             )
-        return tensor
+        return LazyTensor(file, name, shape, dtype)
 
     def close(self) -> None:
-        self._handles.clear()
+        self._headers.clear()
 
     def __enter__(self) -> HFCheckpoint:
         return self

@@ -87,6 +87,12 @@ def _read_all(source: Sliceable) -> torch.Tensor:
     return source[tuple(slice(None) for _ in source.shape)]
 
 
+def _cat(shards: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, without the copy when there is a single shard (TP=1 export streams big
+    tensors; a copy would double their memory)."""
+    return shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=dim)
+
+
 def _read_tp_chunk(source: Sliceable, dim: int, ctx: ShardContext) -> torch.Tensor:
     start, stop = tp_range(int(source.shape[dim]), tp=ctx.tp, rank=ctx.rank)
     return _read(source, dim, start, stop)
@@ -141,7 +147,7 @@ class _SplitMapping(ParamMapping):
     def megatron_to_hf(
         self, shards: Sequence[torch.Tensor], ctx: ShardContext
     ) -> dict[str, torch.Tensor]:
-        return {"weight": torch.cat(list(shards), dim=self.split_dim)}
+        return {"weight": _cat(shards, self.split_dim)}
 
 
 class ColumnParallelMapping(_SplitMapping):
@@ -179,7 +185,7 @@ class VocabParallelMapping(ParamMapping):
     def megatron_to_hf(
         self, shards: Sequence[torch.Tensor], ctx: ShardContext
     ) -> dict[str, torch.Tensor]:
-        return {"weight": torch.cat(list(shards))[: ctx.shapes.vocab_size]}
+        return {"weight": _cat(shards)[: ctx.shapes.vocab_size]}
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,7 @@ class QKVMapping(ParamMapping):
                       heads_per_group=shapes.heads_per_group, head_dim=shapes.head_dim)
             for shard in shards
         ]
-        return {role: torch.cat([p[i] for p in parts]) for i, role in enumerate(("q", "k", "v"))}
+        return {role: _cat([p[i] for p in parts]) for i, role in enumerate(("q", "k", "v"))}
 
 
 @dataclass(frozen=True)
@@ -229,10 +235,7 @@ class GatedMLPMapping(ParamMapping):
         self, shards: Sequence[torch.Tensor], ctx: ShardContext
     ) -> dict[str, torch.Tensor]:
         halves = [shard.chunk(2, dim=0) for shard in shards]
-        return {
-            "gate": torch.cat([gate for gate, _ in halves]),
-            "up": torch.cat([up for _, up in halves]),
-        }
+        return {"gate": _cat([gate for gate, _ in halves]), "up": _cat([up for _, up in halves])}
 
 
 def _pattern_regex(pattern: str) -> re.Pattern[str]:

@@ -221,3 +221,10 @@ def test_unsupported_architecture_subprocess_lists_supported_and_no_traceback(tm
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert name in lines[0]
     _assert_no_leftovers(tmp_path / "out")
+
+
+def test_verify_exits_1_when_the_weights_differ(tmp_path, converted, capsys):
+    other = write_tiny_hf_checkpoint(tmp_path / "other", "Qwen3ForCausalLM", seed=1)
+    capsys.readouterr()
+    assert main(["verify", "--hf", str(other), "--ckpt", str(converted[1])]) == 1
+    assert "MISMATCH" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """HF checkpoint -> direct load into Megatron shards -> logits equal HF transformers' (fp32, 1e-5),
-and shards -> mapping -> HF tensors are bit-exact, at TP in {1, 2} x PP in {1, 2}.
+and shards -> mapping -> HF tensors are bit-exact, at TP in {1, 2} x PP in {1, 2}, and PP=2 with VPP=2.
 
 One 4-rank gloo job walks every (architecture, layout) case in sequence (imports cost ~10 s per
 spawn, so it runs once per module and each parametrized test reads its case's results).
@@ -9,8 +9,6 @@ forward-only pipeline schedule, then gathers each parameter over TP and maps it 
 
 from __future__ import annotations
 
-import resource
-
 import pytest
 import torch
 
@@ -18,7 +16,8 @@ from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 WORLD_SIZE = 4
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp); dp = 4 // (tp * pp)
+# (tp, pp, vpp); dp = 4 // (tp * pp). VPP=2 puts layers {0, 2} on stage 0 and {1, 3} on stage 1.
+LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 BATCH, SEQ_LEN = 2, 16
 TOLERANCE = 1e-5
 
@@ -83,7 +82,11 @@ def _export_mismatches(chunks, hf_dir: str, args) -> tuple[list[str], list[str]]
     return exported, mismatched
 
 
-def _check_layout(hf_dir: str, tp: int, pp: int, tokens, ref_logits) -> dict:
+def _layout_name(tp: int, pp: int, vpp: int | None) -> str:
+    return f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp else "")
+
+
+def _check_layout(hf_dir: str, tp: int, pp: int, vpp: int | None, tokens, ref_logits) -> dict:
     import transformers
 
     from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
@@ -92,7 +95,7 @@ def _check_layout(hf_dir: str, tp: int, pp: int, tokens, ref_logits) -> dict:
     from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
 
     cfg = transformers.AutoConfig.from_pretrained(hf_dir)
-    dims = ParallelDims(WORLD_SIZE, tp=tp, pp=pp)
+    dims = ParallelDims(WORLD_SIZE, tp=tp, pp=pp, vpp=vpp)
     initialize_layout(dims, seed=3)
     args = hf_to_megatron_args(cfg, ARCHITECTURES.for_hf_config(cfg), dims)
     chunks = build_model_chunks(args)
@@ -111,9 +114,11 @@ def _run_all_cases(hf_dirs: list[str]) -> dict:
     results = {}
     for hf_dir in hf_dirs:
         tokens, ref_logits = _hf_reference(hf_dir)
-        results[hf_dir] = {f"tp{tp}pp{pp}": _check_layout(hf_dir, tp, pp, tokens, ref_logits)
-                           for tp, pp in LAYOUTS}
-    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        results[hf_dir] = {_layout_name(*layout): _check_layout(hf_dir, *layout, tokens, ref_logits)
+                           for layout in LAYOUTS}
+    from checkpoint_tools.common import peak_rss_mb
+
+    results["peak_rss_mb"] = peak_rss_mb()
     return results
 
 
@@ -145,7 +150,7 @@ def test_direct_hf_load_matches_transformers_and_exports_bit_exact(
     for file in hf_dir.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as handle:
             hf_names |= set(handle.keys())
-    for layout in (f"tp{tp}pp{pp}" for tp, pp in LAYOUTS):
+    for layout in (_layout_name(*layout) for layout in LAYOUTS):
         diffs = [rank[layout]["logits"] for rank in per_rank if rank[layout]["logits"] is not None]
         assert diffs and max(diffs) < TOLERANCE, f"{architecture} {layout}: logits differ {diffs}"
         exported = {name for rank in per_rank for name in rank[layout]["exported"]}

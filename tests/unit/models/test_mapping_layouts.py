@@ -117,7 +117,6 @@ def test_vocab_range_of_ranks_holding_only_padding():
 
 
 def test_mappings_read_through_lazy_safetensors_slices(tmp_path):
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from rlhf_megatron.models.hf_checkpoint import LazyTensor
@@ -128,11 +127,24 @@ def test_mappings_read_through_lazy_safetensors_slices(tmp_path):
     save_file(hf, str(tmp_path / "w.safetensors"))
     cases = [(QKVMapping("x", q="q", k="k", v="v"), ("q", "k", "v")),
              (RowParallelMapping("x", "o"), ("o",)), (VocabParallelMapping("x", "emb"), ("emb",))]
-    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as handle:
-        for mapping, names in cases:
-            for rank in range(4):
-                ctx = ShardContext(SHAPES, 4, rank)
-                lazy = {role: LazyTensor(handle.get_slice(n), n, tmp_path) for role, n in zip(mapping.hf, names)}
-                eager = {role: hf[n] for role, n in zip(mapping.hf, names)}
-                assert torch.equal(mapping.hf_to_megatron(lazy, ctx),
-                                   mapping.hf_to_megatron(eager, ctx))
+    file = tmp_path / "w.safetensors"
+    for mapping, names in cases:
+        for rank in range(4):
+            ctx = ShardContext(SHAPES, 4, rank)
+            lazy = {role: LazyTensor.from_file(file, n) for role, n in zip(mapping.hf, names)}
+            eager = {role: hf[n] for role, n in zip(mapping.hf, names)}
+            assert torch.equal(mapping.hf_to_megatron(lazy, ctx), mapping.hf_to_megatron(eager, ctx))
+
+
+def test_rank_holding_only_vocab_padding_reads_an_empty_lazy_slice(tmp_path):
+    from safetensors.torch import save_file
+
+    from rlhf_megatron.models.hf_checkpoint import LazyTensor
+
+    save_file({"emb": _rand(100, HIDDEN)}, str(tmp_path / "e.safetensors"))
+    lazy = LazyTensor.from_file(tmp_path / "e.safetensors", "emb")
+    shapes = ModelShapes(HEADS, GROUPS, HEAD_DIM, vocab_size=100, padded_vocab_size=256)
+    mapping = VocabParallelMapping("m", "emb")
+    shards = [mapping.hf_to_megatron({"weight": lazy}, ShardContext(shapes, 2, r)) for r in range(2)]
+    assert shards[1].shape == (128, HIDDEN) and torch.count_nonzero(shards[1]) == 0
+    assert torch.equal(mapping.megatron_to_hf(shards, ShardContext(shapes, 2))["weight"], lazy[:])

