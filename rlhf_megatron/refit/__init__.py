@@ -1,6 +1,6 @@
 """Refit: actor shards -> mapping table -> layer-aligned buckets -> transport -> rollout weights."""
 
-from rlhf_megatron.refit.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, iter_buckets
+from rlhf_megatron.refit.buckets import DEFAULT_BUCKET_BYTES, BucketLayout, BucketWriter
 from rlhf_megatron.refit.export import ExportedTensor, is_stage_sender, iter_hf_tensors
 from rlhf_megatron.refit.refit import RefitStats, RolloutClient, refit_rollout
 from rlhf_megatron.refit.transports import (
@@ -16,13 +16,13 @@ __all__ = [
     "BroadcastReceiver",
     "BroadcastTransport",
     "BucketLayout",
+    "BucketWriter",
     "CudaIpcTransport",
     "ExportedTensor",
     "RefitStats",
     "RolloutClient",
     "SharedMemoryTransport",
     "is_stage_sender",
-    "iter_buckets",
     "iter_hf_tensors",
     "receive",
     "refit_rollout",

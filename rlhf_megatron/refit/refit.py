@@ -6,19 +6,25 @@ Protocol (every rank of the actor calls `refit_rollout`; the stage senders talk 
                 (TP-gathered per tensor), packs a bucket, the rollout loads it
   3. resume     the first stage's sender calls rollout.finish_weight_update(version), which
                 resets the prefix cache and reports the version back
-The stages go one after another with a barrier between them, so the extra memory of the whole
-refit is about one bucket (measured in benchmarks/refit_bench.py).
+The stages go one after another with a barrier between them, and each sender streams tensors
+into one reusable bucket buffer, so the extra memory of the whole refit is about one bucket plus
+one gathered tensor (measured in benchmarks/refit_bench.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from rlhf_megatron.refit.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layout_of
+from rlhf_megatron.refit.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BucketLayout,
+    BucketWriter,
+    layer_bytes_of,
+)
 from rlhf_megatron.refit.export import is_stage_sender, iter_hf_tensors
 
 
@@ -44,6 +50,9 @@ class RefitStats:
     max_bucket_bytes: int = 0
     seconds: float = 0.0
     version: int | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase on the sender: gather (TP all-gather), map (mapping table),
+    transport (staging + moving the bucket), load (the rollout loading it)."""
 
 
 def refit_rollout(
@@ -79,16 +88,49 @@ def _send_stage(
     engine: Any, rollout: RolloutClient | None, transport: Any, bucket_bytes: int,
     stats: RefitStats,
 ) -> None:
-    for index, bucket in enumerate(iter_buckets(iter_hf_tensors(engine), bucket_bytes)):
-        if rollout is None:
-            continue  # non-sender ranks only take part in the TP gathers
-        layout = layout_of(index, bucket)
-        handle = transport.send(layout, bucket)
+    from megatron.core import parallel_state
+
+    phases = stats.phases
+    tensors = iter_hf_tensors(engine, timings=phases)
+    if rollout is None:
+        for _ in tensors:  # non-sender ranks only take part in the TP gathers
+            pass
+        return
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    named = engine.named_parameters()
+    layer_bytes = layer_bytes_of(named, tp)
+    largest_other = max(
+        (p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+         for n, p in named if not n.startswith("decoder.layers.")), default=0,
+    )
+    capacity = max(bucket_bytes, largest_other, *layer_bytes.values())
+    start = time.perf_counter()
+    buffer = transport.staging(capacity)
+    phases["transport"] = phases.get("transport", 0.0) + time.perf_counter() - start
+
+    in_flush = [0.0]  # flushes happen inside writer.add; keep their time out of "transport"
+
+    def flush(layout: BucketLayout) -> None:
+        start = time.perf_counter()
+        handle = transport.send(layout)
         pending = rollout.load_bucket(handle)
         transport.push(handle)
+        pushed = time.perf_counter()
         pending.wait()
         transport.release(handle)
+        phases["transport"] = phases.get("transport", 0.0) + pushed - start
+        done = time.perf_counter()
+        phases["load"] = phases.get("load", 0.0) + done - pushed
+        in_flush[0] += done - start
         stats.buckets += 1
-        stats.tensors += len(bucket)
+        stats.tensors += len(layout.specs)
         stats.bytes_sent += layout.nbytes
         stats.max_bucket_bytes = max(stats.max_bucket_bytes, layout.nbytes)
+
+    writer = BucketWriter(buffer, flush, layer_bytes)
+    for item in tensors:
+        start, flushed = time.perf_counter(), in_flush[0]
+        writer.add(item)
+        elapsed = time.perf_counter() - start - (in_flush[0] - flushed)
+        phases["transport"] = phases.get("transport", 0.0) + elapsed
+    writer.flush()

@@ -1,7 +1,9 @@
 """Weight transports: one class per way of moving a bucket, all behind the same methods.
 
-Trainer side (the stage sender), per bucket:
-    handle = transport.send(layout, bucket)   stage the bytes (or remember the bucket)
+Trainer side (the stage sender):
+    buffer = transport.staging(capacity)      once: the bucket buffer tensors are written into
+    per bucket, after writing its tensors into `buffer`:
+    handle = transport.send(layout)           describe the staged bucket
     pending = rollout.load_bucket(handle)     ask the rollout to load it (not awaited yet)
     transport.push(handle)                    bytes that must move while the rollout waits
     pending.wait(); transport.release(handle)
@@ -28,8 +30,7 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.refit.buckets import BucketLayout, pack_into, views_of
-from rlhf_megatron.refit.export import ExportedTensor
+from rlhf_megatron.refit.buckets import BucketLayout, views_of
 
 _SHM_DIR = Path("/dev/shm")
 
@@ -51,10 +52,13 @@ class SharedMemoryTransport:
         self._buffer: torch.Tensor | None = None
         self.peak_bytes = 0
 
-    def send(self, layout: BucketLayout, bucket: list[ExportedTensor]) -> SharedMemoryHandle:
-        if self._buffer is None or self._buffer.numel() < layout.nbytes:
-            self._map(layout.nbytes)
-        pack_into(self._buffer, layout, bucket)
+    def staging(self, capacity: int) -> torch.Tensor:
+        """The shared segment itself: tensors written here are what the rollout reads."""
+        if self._buffer is None or self._buffer.numel() < capacity:
+            self._map(capacity)
+        return self._buffer
+
+    def send(self, layout: BucketLayout) -> SharedMemoryHandle:
         self.peak_bytes = max(self.peak_bytes, layout.nbytes)
         return SharedMemoryHandle(str(self.path), layout)
 
@@ -92,12 +96,14 @@ class CudaIpcTransport:
         self._buffer: torch.Tensor | None = None
         self.peak_bytes = 0
 
-    def send(self, layout: BucketLayout, bucket: list[ExportedTensor]) -> CudaIpcHandle:
+    def staging(self, capacity: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < capacity:
+            self._buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        return self._buffer
+
+    def send(self, layout: BucketLayout) -> CudaIpcHandle:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        if self._buffer is None or self._buffer.numel() < layout.nbytes:
-            self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-        pack_into(self._buffer, layout, bucket)
         torch.cuda.current_stream(self.device).synchronize()  # bytes complete before sharing
         self.peak_bytes = max(self.peak_bytes, layout.nbytes)
         return CudaIpcHandle(reduce_tensor(self._buffer), layout)
@@ -129,31 +135,32 @@ class BroadcastTransport:
         self.address = (host, port)
         self.device = device or torch.device("cpu")
         self._group: Any = None
-        self._staged: tuple[BucketLayout, list[ExportedTensor]] | None = None
+        self._buffer: torch.Tensor | None = None
         self.peak_bytes = 0
 
-    def send(self, layout: BucketLayout, bucket: list[ExportedTensor]) -> BroadcastHandle:
-        self._staged = (layout, bucket)
+    def staging(self, capacity: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < capacity:
+            self._buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        return self._buffer
+
+    def send(self, layout: BucketLayout) -> BroadcastHandle:
+        self.peak_bytes = max(self.peak_bytes, layout.nbytes)
         return BroadcastHandle(self.address, layout)
 
     def push(self, handle: BroadcastHandle) -> None:
-        """Broadcast the staged bucket; the rollout's `receive` waits in the same collective."""
-        layout, bucket = self._staged
+        """Broadcast the staged bytes; the rollout's `receive` waits in the same collective."""
         if self._group is None:
             # Joined on the first push: by then the rollout has the load request and is
             # building its side of the group (BroadcastReceiver) at the same time.
             self._group = two_party_group(self.address, rank=0, device=self.device)
-        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-        pack_into(buffer, layout, bucket)
-        self.peak_bytes = max(self.peak_bytes, layout.nbytes)
-        self._group.broadcast(buffer, 0).wait()
-        self._staged = None
+        self._group.broadcast(self._buffer[: handle.layout.nbytes], 0).wait()
 
     def release(self, handle: BroadcastHandle) -> None:
         """Nothing is kept between buckets."""
 
     def close(self) -> None:
         self._group = None
+        self._buffer = None
 
 
 def two_party_group(address: tuple[str, int], *, rank: int, device: torch.device) -> Any:

@@ -69,12 +69,14 @@ class _DropOneBucket:
     def __init__(self, inner):
         self.inner, self.sent = inner, 0
 
-    def send(self, layout, bucket):
+    def staging(self, capacity):
+        return self.inner.staging(capacity)
+
+    def send(self, layout):
         self.sent += 1
-        if self.sent == 2:
-            bucket = []  # nothing of this bucket reaches the rollout
+        if self.sent == 2:  # nothing of this bucket reaches the rollout
             layout = type(layout)(layout.index, (), 0)
-        return self.inner.send(layout, bucket)
+        return self.inner.send(layout)
 
     def push(self, handle):
         self.inner.push(handle)
