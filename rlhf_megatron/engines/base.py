@@ -58,7 +58,9 @@ class MicroBatch:
 class MegatronEngine:
     """A Megatron GPT model on this rank's shard of the current layout.
 
-    hf_dir: HF checkpoint to load (directly into shards, through the mapping table).
+    hf_dir: HF checkpoint to load (directly into shards, through the mapping table), or a
+        Megatron dist-checkpoint (from `checkpoint_tools hf-to-mcore` or an engine's
+        `save_checkpoint`), recognised by its `rlhf_megatron_checkpoint.json`.
     dims: the layout; `initialize_layout(dims)` must have run in this process.
     trainable: wrap in DDP and build the optimizer and LR schedule.
     """
@@ -98,9 +100,17 @@ class MegatronEngine:
                 chunk.eval()
 
     # ------------------------------------------------------------------ building
+    @property
+    def from_dist_checkpoint(self) -> bool:
+        return (self.hf_dir / "rlhf_megatron_checkpoint.json").is_file()
+
     def _load_hf_config(self, hf_dir: Path) -> Any:
         from rlhf_megatron.models.hf_checkpoint import load_hf_config
 
+        if self.from_dist_checkpoint:
+            from checkpoint_tools.common import ConvertedMetadata
+
+            return ConvertedMetadata.read(hf_dir).hf_config_object()
         return load_hf_config(hf_dir)
 
     def _build_chunks(self) -> list[Any]:
@@ -108,7 +118,13 @@ class MegatronEngine:
         from rlhf_megatron.models.hf_load import load_hf_into_model
 
         chunks = build_model_chunks(self.args)
-        load_hf_into_model(chunks, self.hf_dir, self.args)
+        if self.from_dist_checkpoint:
+            from rlhf_megatron.engines.checkpoint import load_model_weights
+
+            self.chunks = chunks
+            load_model_weights(self, self.hf_dir)
+        else:
+            load_hf_into_model(chunks, self.hf_dir, self.args)
         return self._to_device(chunks)
 
     def _to_device(self, chunks: list[Any]) -> list[Any]:

@@ -71,6 +71,7 @@ def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> 
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), staging / "rng" / f"rank_{rank}.pt")
     if rank == 0:
+        _write_conversion_metadata(engine, staging)
         scheduler = engine.scheduler.state_dict() if engine.scheduler is not None else None
         torch.save({"scheduler": scheduler, "step": step,
                     "world_size": dist.get_world_size()}, staging / "engine_state.pt")
@@ -81,6 +82,33 @@ def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> 
         staging.rename(directory)
     dist.barrier()
     return directory
+
+
+def _write_conversion_metadata(engine: Any, staging: Path) -> None:
+    """The metadata `checkpoint_tools mcore-to-hf` reads, so a training checkpoint exports to HF
+    like a converted one (config and tokenizer files are copied along)."""
+    from checkpoint_tools.common import ASSETS_DIR, ConvertedMetadata, copy_hf_assets
+
+    assets = copy_hf_assets(engine.hf_dir, staging / ASSETS_DIR) if engine.hf_dir.is_dir() else []
+    tc = engine.args.transformer_config
+    ConvertedMetadata(
+        architecture=engine.hf_config.architectures[0], hf_config=engine.hf_config.to_dict(),
+        dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+            tc.params_dtype],
+        vocab_size=engine.args.vocab_size, padded_vocab_size=engine.args.padded_vocab_size,
+        asset_files=assets, saved_tp=engine.dims.tp, saved_pp=engine.dims.pp,
+    ).write(staging)
+
+
+def load_model_weights(engine: Any, directory: str | Path) -> None:
+    """Load only the model weights from any Megatron dist-checkpoint of this architecture: one
+    written by `checkpoint_tools hf-to-mcore` or an engine's training checkpoint, at any layout."""
+    from megatron.core import dist_checkpointing
+
+    from rlhf_megatron.engines.base import unwrap
+
+    for chunk in (unwrap(chunk) for chunk in engine.chunks):
+        chunk.load_state_dict(dist_checkpointing.load(chunk.sharded_state_dict(), str(directory)))
 
 
 def load_engine_checkpoint(
