@@ -62,7 +62,11 @@ def _logprob_parity_job(hf_dir: str) -> dict:
         dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp, vpp=vpp)
         initialize_layout(dims)
         for packing in (False, True):
-            engine = ActorEngine(EngineConfig(micro_batch_size=2, use_packing=packing),
+            # Packed runs also cut micro-batches by a token budget instead of by rows (except
+            # with VPP, whose interleaved schedule needs a multiple of pp micro-batches).
+            by_budget = packing and vpp is None
+            budget = {"max_tokens_per_micro_batch": 30} if by_budget else {"micro_batch_size": 2}
+            engine = ActorEngine(EngineConfig(use_packing=packing, **budget),
                                  hf_dir=hf_dir, dims=dims)
             batch = _dp_share(_batch(), dims)
             out = engine.compute_logprobs(batch, with_entropy=True)
