@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rlhf_megatron.errors import LayoutError
 from rlhf_megatron.parallel.dims import ParallelDims
-from rlhf_megatron.platform import apply_cpu_compat, current_platform
+from rlhf_megatron.platform import CpuCompatHandle, apply_cpu_compat, current_platform
 
 
 def initialize_distributed(timeout_minutes: int = 10) -> None:
@@ -39,11 +39,12 @@ def initialize_distributed(timeout_minutes: int = 10) -> None:
 
 def initialize_layout(
     dims: ParallelDims, *, seed: int = 1234, skip_cpu_shims: Iterable[str] = ()
-) -> None:
+) -> CpuCompatHandle:
     """Initialise Megatron's parallel_state for `dims` on the current default process group.
 
     The world size must equal `dims.world_size`. Call `destroy_layout()` before another layout.
     `skip_cpu_shims` leaves named CPU shims out (diagnosis and the tests that prove each is needed).
+    Returns the handle of the CPU shims this call applied (empty on GPU or when already applied).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -52,7 +53,7 @@ def initialize_layout(
         supports_context_parallel=platform.supports_context_parallel,
         device_type=platform.device_type,
     )
-    apply_cpu_compat(platform, skip=skip_cpu_shims)
+    shims = apply_cpu_compat(platform, skip=skip_cpu_shims)
     initialize_distributed()
     if dist.get_world_size() != dims.world_size:
         raise LayoutError(
@@ -71,6 +72,7 @@ def initialize_layout(
         create_gloo_process_groups=platform.is_cuda,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return shims
 
 
 def destroy_layout() -> None:
@@ -90,9 +92,11 @@ def destroy_layout() -> None:
 def parallel_layout(
     dims: ParallelDims, *, seed: int = 1234, skip_cpu_shims: Iterable[str] = ()
 ) -> Iterator[ParallelDims]:
-    """`with parallel_layout(dims):` initialises the layout and always destroys it afterwards."""
-    initialize_layout(dims, seed=seed, skip_cpu_shims=skip_cpu_shims)
+    """`with parallel_layout(dims):` initialises the layout and always destroys it afterwards,
+    and takes back the CPU shims it applied, leaving the process as it found it."""
+    shims = initialize_layout(dims, seed=seed, skip_cpu_shims=skip_cpu_shims)
     try:
         yield dims
     finally:
         destroy_layout()
+        shims.remove()
