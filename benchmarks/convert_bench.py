@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/convert_bench.py [--layers 4] [--workdir /tmp/convert_bench]
 
-Prints, for hf-to-mcore, mcore-to-hf and the direct load into TP=2 shards: time, GB/s, the ratio
-to a plain file copy of the same checkpoint measured in the same run, peak RSS, and peak RSS over
-the largest single tensor (raw, and above the same phase run on a 1 MB model, i.e. without the
-constant cost of imports and runtime). Each phase runs in its own process(es).
+Prints, for hf-to-mcore, mcore-to-hf and the direct load into TP=2 shards: time (after imports),
+GB/s, the ratio to a plain file copy of the same checkpoint (`shutil.copytree`, in-kernel) and to
+a read + write of the same files through user space, both measured in the same run, peak RSS,
+and peak RSS over the largest single tensor (raw, and above the same phase run on a 1 MB model,
+i.e. without the constant cost of imports and runtime). Each phase runs in its own process(es).
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def _run(args: list[str]) -> tuple[float, float, float]:
     return seconds, float(inner.group(1)) if inner else seconds, float(rss.group(1))
 
 
+def _userspace_copy(src: Path, dst: Path) -> float:
+    """Seconds to read each file into a fresh buffer and write it out (one user-space copy each
+    way, as any converter that looks at the bytes must): the floor for the conversions."""
+    dst.mkdir()
+    start = time.perf_counter()
+    for path in sorted(src.iterdir()):
+        buffer = torch.empty(path.stat().st_size, dtype=torch.uint8)
+        with open(path, "rb") as source, open(dst / path.name, "wb") as sink:
+            source.readinto(memoryview(buffer.numpy()))
+            sink.write(memoryview(buffer.numpy()))
+    return time.perf_counter() - start
+
+
 def _direct_load_rank(hf_dir: str) -> tuple[float, float]:
     from checkpoint_tools.common import peak_rss_mb
     from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
@@ -128,11 +142,16 @@ def main() -> None:
     shutil.rmtree(work / "copy")
     print(f"plain copy (page cache warm, as for the conversions): {copy_s:.2f} s = "
           f"{total / GB / copy_s:.2f} GB/s")
+    user_s = _userspace_copy(work / "hf", work / "copy")
+    shutil.rmtree(work / "copy")
+    print(f"read + write through user space (the floor for a converter): {user_s:.2f} s = "
+          f"{total / GB / user_s:.2f} GB/s ({copy_s / user_s:.2f}x plain copy)")
     baseline = _phases(work, work / "tiny")
     for name, (wall, seconds, rss) in _phases(work, work / "hf").items():
         above = rss - baseline[name][2]
         print(f"{name}: {seconds:.2f} s = {total / GB / seconds:.2f} GB/s "
-              f"({copy_s / seconds:.2f}x plain copy; wall with imports {wall:.1f} s); "
+              f"({copy_s / seconds:.2f}x plain copy, {user_s / seconds:.2f}x user-space copy; "
+              f"wall with imports {wall:.1f} s); "
               f"peak RSS {rss:.0f} MB ({rss * 1e6 / largest:.1f}x largest tensor); "
               f"above the same phase on a 1 MB model: {above:.0f} MB = "
               f"{above * 1e6 / largest:.1f}x largest tensor, {above * 1e6 / total:.2f}x model")

@@ -5,8 +5,9 @@ any TP/PP whose sizes divide the model. `--tp/--pp` name the layout the checkpoi
 they are validated against the model (heads, KV heads, FFN, layers) and fix the vocabulary padding
 (Megatron pads the vocabulary to a multiple of 128 * tp), which decides which TP sizes can load it.
 
-Memory: the TP=1 Megatron model is built in full (model-size RAM); weights are read tensor by
-tensor through safetensors' lazy slices, so reading adds about one tensor on top.
+Memory: streamed (`streaming_save`): the TP=1 model is built on the meta device only for its
+sharded state dict, and each tensor is read from the HF files just before it is written, so peak
+RSS is about one Megatron tensor (plus the HF tensors it is made of) above the constant.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from checkpoint_tools.common import (
 )
 from rlhf_megatron.errors import CheckpointError
 from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
+from rlhf_megatron.models.hf_load import LoadStats
 
 
 def preflight(checkpoint: HFCheckpoint) -> int:
@@ -55,18 +57,18 @@ def convert_hf_to_mcore(
     check_output_dir(out, force=force)
     if not hf_dir.is_dir():
         raise CheckpointError(f"HF directory {hf_dir} does not exist")
-    start = time.perf_counter()
     with HFCheckpoint(hf_dir) as checkpoint:
         config = checkpoint.config
         spec = ARCHITECTURES.for_hf_config(config)
         # Validates heads / KV heads / FFN / layers against the target layout up front.
         target = hf_to_megatron_args(config, spec, ParallelDims(tp * pp, tp=tp, pp=pp),
                                      params_dtype=DTYPES[dtype])
+        # Timed from here: the lines above import transformers' and Megatron's code (a constant).
+        start = time.perf_counter()
         tensors = preflight(checkpoint)
         with single_rank_group(), atomic_output_dir(out, force=force) as tmp:
             args = hf_to_megatron_args(config, spec, ParallelDims(1), params_dtype=DTYPES[dtype])
-            # Every weight is overwritten from the HF files: skip Megatron's random init (time,
-            # and a full-size temporary per weight on CPU).
+            # The model is only built on the meta device for its sharded state dict: no init.
             no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
             args = dataclasses.replace(args, transformer_config=no_init,
                                        padded_vocab_size=target.padded_vocab_size)
@@ -86,17 +88,19 @@ def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
-    from rlhf_megatron.models import build_model_chunks
-    from rlhf_megatron.models.hf_load import load_hf_weights
-    from rlhf_megatron.models.param_mapping import ModelShapes
+    from checkpoint_tools.streaming_save import ChunkSource, build_meta_model, streaming_strategy
+    from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
 
-    (model,) = build_model_chunks(args)
-    total = sum(1 for _ in model.parameters())
-    with tqdm(total=total, desc="hf -> mcore", unit="tensor", disable=not progress) as bar:
-        stats = load_hf_weights(
-            [model], checkpoint, spec.mapping_table_for(checkpoint.config),
-            ModelShapes.from_megatron_args(args), tp=1, tp_rank=0,
-            on_param=lambda name: bar.update(1),
-        )
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
-    return stats
+    model = build_meta_model(args)
+    table = spec.mapping_table_for(checkpoint.config)
+    names = [name for name, _ in model.named_parameters()]
+    unmapped = [name for name in names if table.resolve(name) is None]
+    if unmapped:  # before anything is written
+        raise CheckpointError(f"no mapping for Megatron parameter {unmapped[0]!r}")
+    with tqdm(total=len(names), desc="hf -> mcore", unit="tensor", disable=not progress) as bar:
+        source = ChunkSource(checkpoint, table,
+                             ShardContext(ModelShapes.from_megatron_args(args)),
+                             on_tensor=lambda: bar.update(1))
+        dist_checkpointing.save(model.sharded_state_dict(), str(tmp),
+                                sharded_strategy=streaming_strategy(source))
+    return LoadStats(params=source.params, bytes_loaded=source.bytes)

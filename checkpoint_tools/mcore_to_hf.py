@@ -3,8 +3,8 @@ generation config + tokenizer files.
 
 Streaming: tensor names, shapes and dtypes come from the torch_dist metadata alone, which fixes
 the output plan (file by file) before any weight is read. Then each Megatron tensor (one layer's
-slice of a stacked `decoder.layers.*` tensor) is read on its own through torch DCP (no process
-group needed), mapped to HF tensors by the architecture's table, written and dropped. Peak
+slice of a stacked `decoder.layers.*` tensor) is read on its own, straight from the `.distcp`
+byte ranges the DCP metadata names (`dcp_reader`; no process group needed), mapped to HF tensors by the architecture's table, written and dropped. Peak
 memory is about one Megatron tensor plus its HF outputs.
 """
 
@@ -28,6 +28,7 @@ from checkpoint_tools.common import (
     check_output_dir,
     parse_size,
 )
+from checkpoint_tools.dcp_reader import DcpReader
 from checkpoint_tools.safetensors_writer import (
     PlannedSafetensorsWriter,
     PlannedTensor,
@@ -49,15 +50,22 @@ class SourceTensor:
     layer: int | None
 
 
-def read_tensor_metadata(ckpt_dir: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Stored tensor key -> (global shape, dtype), from the torch_dist metadata only."""
+def read_dcp_metadata(ckpt_dir: Path) -> Any:
+    """The torch DCP `Metadata` of the dist-checkpoint at `ckpt_dir` (a CheckpointError if none)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+        return FileSystemReader(str(ckpt_dir)).read_metadata()
     except Exception as exc:
         raise CheckpointError(f"cannot read the dist-checkpoint metadata in {ckpt_dir}: {exc}") from None
+
+
+def read_tensor_metadata(ckpt_dir: Path,
+                         metadata: Any = None) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Stored tensor key -> (global shape, dtype), from the torch_dist metadata only."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = metadata if metadata is not None else read_dcp_metadata(ckpt_dir)
     return {
         key: (value.size, value.properties.dtype)
         for key, value in metadata.state_dict_metadata.items()
@@ -65,10 +73,10 @@ def read_tensor_metadata(ckpt_dir: Path) -> dict[str, tuple[torch.Size, torch.dt
     }
 
 
-def source_tensors(ckpt_dir: Path, num_layers: int) -> list[SourceTensor]:
+def source_tensors(ckpt_dir: Path, num_layers: int, metadata: Any = None) -> list[SourceTensor]:
     """Every Megatron parameter stored, layers unstacked, in model order (embedding first)."""
     singles, stacked = [], []
-    for key, (shape, dtype) in read_tensor_metadata(ckpt_dir).items():
+    for key, (shape, dtype) in read_tensor_metadata(ckpt_dir, metadata).items():
         rest = key[len(_LAYERS):]
         if key.startswith(_LAYERS) and not rest.split(".")[0].isdigit():
             if shape[0] != num_layers:
@@ -82,48 +90,22 @@ def source_tensors(ckpt_dir: Path, num_layers: int) -> list[SourceTensor]:
     return first + stacked + [s for s in singles if not s.key.startswith("embedding.")]
 
 
-def _slice_planner(offsets: tuple[int, ...]) -> Any:
-    """A torch DCP load planner that fills each requested tensor from the stored region starting
-    at `offsets` (the request's shape gives the region's size) instead of from the origin."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    class SliceLoadPlanner(DefaultLoadPlanner):
-        def create_local_plan(self) -> LoadPlan:
-            items = []
-            for fqn, tensor in self.state_dict.items():
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
-                items += create_read_items_for_chunk_list(
-                    fqn, self.metadata.state_dict_metadata[fqn], [chunk]
-                )
-            return LoadPlan(items)
-
-        def lookup_tensor(self, index: Any) -> torch.Tensor:
-            # Read items carry the region's global offset; our buffers are plain tensors.
-            return self.state_dict[index.fqn]
-
-    return SliceLoadPlanner()
-
-
-def read_source(ckpt_dir: Path, source: SourceTensor) -> torch.Tensor:
-    """Read one parameter (one layer of a stacked tensor) and nothing else, without a process
-    group: torch DCP reads only the byte ranges that overlap the requested region."""
-    from torch.distributed.checkpoint import FileSystemReader, load
-
+def read_source(reader: DcpReader, source: SourceTensor) -> torch.Tensor:
+    """Read one parameter (one layer of a stacked tensor) and nothing else: only the stored
+    chunks that overlap it are read, each straight into its destination (`DcpReader`)."""
     if source.layer is None:
-        buffer = torch.empty(source.shape, dtype=source.dtype)
-        offsets = (0,) * len(source.shape)
+        offsets, sizes = (0,) * len(source.shape), tuple(source.shape)
     else:
-        buffer = torch.empty((1, *source.shape[1:]), dtype=source.dtype)
         offsets = (source.layer,) + (0,) * (len(source.shape) - 1)
+        sizes = (1, *source.shape[1:])
     try:
-        load({source.key: buffer}, storage_reader=FileSystemReader(str(ckpt_dir)),
-             planner=_slice_planner(offsets), no_dist=True)
+        tensor = reader.read_region(source.key, offsets, sizes, source.dtype)
+    except CheckpointError:
+        raise
     except Exception as exc:
-        raise CheckpointError(f"cannot read {source.megatron_name!r} from {ckpt_dir}: {exc}") from None
-    return buffer if source.layer is None else buffer[0]
+        raise CheckpointError(f"cannot read {source.megatron_name!r} from {reader.ckpt_dir}: "
+                              f"{exc}") from None
+    return tensor if source.layer is None else tensor[0]
 
 
 def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
@@ -146,11 +128,11 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
     return work, planned
 
 
-def _hf_tensors(ckpt_dir: Path, work: list[tuple[SourceTensor, Any]], ctx: Any,
+def _hf_tensors(reader: DcpReader, work: list[tuple[SourceTensor, Any]], ctx: Any,
                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (hf_name, tensor) pairs in plan order, cast to `dtype`."""
     for source, resolved in work:
-        tensor = read_source(ckpt_dir, source)
+        tensor = read_source(reader, source)
         for name, hf_tensor in resolved.megatron_to_hf([tensor], ctx):
             yield name, hf_tensor.to(dtype)
 
@@ -175,16 +157,21 @@ def convert_mcore_to_hf(
     table = spec.mapping_table_for(config)
     shapes = ModelShapes(config.num_attention_heads, config.num_key_value_heads,
                          head_dim_of(config), metadata.vocab_size, metadata.padded_vocab_size)
-    sources = source_tensors(ckpt_dir, config.num_hidden_layers)
+    dcp_metadata = read_dcp_metadata(ckpt_dir)
+    sources = source_tensors(ckpt_dir, config.num_hidden_layers, dcp_metadata)
     work, planned = _plan(metadata, sources, table, expected_hf_shapes(config))
     start = time.perf_counter()
     with atomic_output_dir(out, force=force) as tmp:
         writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes))
         with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
-            for name, tensor in _hf_tensors(ckpt_dir, work, ShardContext(shapes),
-                                             DTYPES[metadata.dtype]):
-                writer.write(name, tensor)
-                bar.update(1)
+            reader = DcpReader(ckpt_dir, dcp_metadata)
+            try:
+                for name, tensor in _hf_tensors(reader, work, ShardContext(shapes),
+                                                 DTYPES[metadata.dtype]):
+                    writer.write(name, tensor)
+                    bar.update(1)
+            finally:
+                reader.close()
         writer.close()
         _write_assets(ckpt_dir, tmp, metadata, config)
     return {"hf_tensors": len(planned), "files": len(writer.files),

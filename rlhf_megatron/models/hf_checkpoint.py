@@ -27,11 +27,10 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def read_safetensors_header(file: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """name -> (shape, dtype) from a safetensors file's JSON header, without mapping the file.
-
-    Raises CheckpointError naming the file when it is missing, corrupt or truncated.
-    """
+def read_safetensors_layout(file: Path) -> dict[str, tuple[torch.Size, torch.dtype, int]]:
+    """name -> (shape, dtype, absolute byte offset of its data) from a safetensors header, without
+    mapping the file. Raises CheckpointError naming the file when it is missing, corrupt or
+    truncated."""
     if not file.is_file():
         raise CheckpointError(f"missing safetensors file {file}")
     size = file.stat().st_size
@@ -43,7 +42,8 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[torch.Size, torch.dty
             header = json.loads(handle.read(header_len))
         header.pop("__metadata__", None)
         entries = {
-            name: (torch.Size(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]])
+            name: (torch.Size(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]],
+                   8 + header_len + int(info["data_offsets"][0]))
             for name, info in header.items()
         }
         data_end = max((info["data_offsets"][1] for info in header.values()), default=0)
@@ -57,28 +57,85 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[torch.Size, torch.dty
     return entries
 
 
+def read_safetensors_header(file: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """name -> (shape, dtype) from a safetensors file's JSON header (see read_safetensors_layout)."""
+    return {name: (shape, dtype) for name, (shape, dtype, _) in read_safetensors_layout(file).items()}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, for `readinto`.
+
+    Made with ctypes rather than `.numpy()`: exporting to numpy pins the storage (it can no longer
+    be resized), which would stop the streaming writer from releasing written tensors early.
+    """
+    import ctypes
+
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _leading_rows(index: Any, shape: torch.Size) -> tuple[int, int] | None:
+    """(start, stop) when `index` selects whole rows along dim 0 (a contiguous byte range)."""
+    if len(shape) == 0:
+        return None
+    if index is Ellipsis:
+        index = slice(None)
+    if isinstance(index, tuple):
+        if not index or any(i != slice(None) and i is not Ellipsis for i in index[1:]):
+            return None
+        index = index[0]
+    if not isinstance(index, slice) or index.step not in (None, 1):
+        return None
+    start, stop, _ = index.indices(shape[0])
+    return start, max(start, stop)
+
+
 class LazyTensor:
     """A tensor in a safetensors file; slicing reads only the selected bytes.
 
-    Each read maps the file, copies the slice out and unmaps it again, so pages read for earlier
-    tensors do not accumulate in this process's resident memory.
-    shape: the stored shape; dtype: the stored torch dtype.
+    Whole rows along dim 0 (a contiguous byte range; `t[:]`, `t[a:b]`) are read with one
+    `readinto` straight into the result, when the data offset is known. Other slices map the file,
+    copy the slice out and unmap it again, so pages read for earlier tensors do not accumulate in
+    this process's resident memory.
+    shape: the stored shape; dtype: the stored torch dtype; data_start: absolute byte offset.
     """
 
-    def __init__(self, file: Path, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
+    def __init__(self, file: Path, name: str, shape: torch.Size, dtype: torch.dtype,
+                 data_start: int | None = None) -> None:
         self.file = file
         self.name = name
         self.shape = shape
         self.dtype = dtype
+        self.data_start = data_start
+
+    def _read_rows(self, start: int, stop: int) -> torch.Tensor:
+        assert self.data_start is not None
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+        if out.numel() == 0:
+            return out
+        row_bytes = out.nbytes // (stop - start)
+        try:
+            with open(self.file, "rb") as handle:
+                handle.seek(self.data_start + start * row_bytes)
+                got = handle.readinto(tensor_bytes(out))
+        except OSError as exc:
+            raise CheckpointError(f"cannot read tensor {self.name!r} from {self.file}: {exc}") from None
+        if got != out.nbytes:
+            raise CheckpointError(f"cannot read tensor {self.name!r} from {self.file}: truncated")
+        return out
 
     @classmethod
     def from_file(cls, file: str | Path, name: str) -> LazyTensor:
         file = Path(file)
-        shape, dtype = read_safetensors_header(file)[name]
-        return cls(file, name, shape, dtype)
+        shape, dtype, data_start = read_safetensors_layout(file)[name]
+        return cls(file, name, shape, dtype, data_start)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         from safetensors import safe_open
+
+        rows = _leading_rows(index, self.shape) if self.data_start is not None else None
+        if rows is not None:
+            return self._read_rows(*rows)
 
         try:
             with safe_open(str(self.file), framework="pt") as handle:
@@ -123,7 +180,7 @@ class HFCheckpoint:
     def __init__(self, hf_dir: str | Path, *, check_shapes: bool = True) -> None:
         self.path = Path(hf_dir)
         self.config = load_hf_config(self.path)
-        self._headers: dict[Path, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        self._headers: dict[Path, dict[str, tuple[torch.Size, torch.dtype, int]]] = {}
         self._file_of = self._weight_map()
         self._expected = expected_hf_shapes(self.config) if check_shapes else {}
 
@@ -140,9 +197,9 @@ class HFCheckpoint:
             raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
         return {name: single for name in self._header(single)}
 
-    def _header(self, file: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    def _header(self, file: Path) -> dict[str, tuple[torch.Size, torch.dtype, int]]:
         if file not in self._headers:
-            self._headers[file] = read_safetensors_header(file)
+            self._headers[file] = read_safetensors_layout(file)
         return self._headers[file]
 
     def names(self) -> list[str]:
@@ -159,14 +216,14 @@ class HFCheckpoint:
         header = self._header(file)
         if name not in header:
             raise CheckpointError(f"tensor {name!r} is missing from {file} (the index names it)")
-        shape, dtype = header[name]
+        shape, dtype, data_start = header[name]
         expected = self._expected.get(name)
         if expected is not None and shape != expected:
             raise CheckpointError(
                 f"tensor {name!r} in {file.name} has shape {tuple(shape)} but config.json "
                 f"implies {tuple(expected)}"
             )
-        return LazyTensor(file, name, shape, dtype)
+        return LazyTensor(file, name, shape, dtype, data_start)
 
     def close(self) -> None:
         self._headers.clear()
