@@ -38,8 +38,12 @@ def _hf_logprobs(hf_dir: str, batch) -> torch.Tensor:
 def _job(converted: str, hf_dir: str, train_ckpt: str) -> dict:
     import torch.distributed as dist
 
-    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.engines import PolicyUpdateSettings
+    from rlhf_megatron.engines import (
+        ActorEngine,
+        EngineConfig,
+        OptimizerSettings,
+        PolicyUpdateSettings,
+    )
     from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
 
     dims = ParallelDims(dist.get_world_size(), tp=2)
