@@ -63,6 +63,9 @@ def _causal_view_of(hf_config: Any) -> Any:
 class ValueModelEngine(MegatronEngine):
     """Shared by critic and reward model: builds the body, swaps in the head, loads both."""
 
+    requires_score_head = False
+    """A reward model must find `score.weight`; a critic may start with a fresh head."""
+
     def _build_chunks(self) -> list[Any]:
         from rlhf_megatron.models import build_model_chunks
         from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
@@ -116,8 +119,6 @@ class ValueModelEngine(MegatronEngine):
         std = (head.weight.shape[1] + 1) ** -0.5
         with torch.no_grad():
             head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
-
-    requires_score_head = False
 
     def _head_outputs(self, batch: TokenBatch) -> tuple[list[MicroBatch], torch.Tensor]:
         """(bs, S) head outputs at every position (not shifted), in batch order."""
