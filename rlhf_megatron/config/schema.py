@@ -1,0 +1,239 @@
+"""The training configuration: one tree of dataclasses, each field with its docstring.
+
+YAML files in configs/ only set values on this schema (config/loader.py); `validate_config`
+(config/validate.py) checks the whole tree up front and raises one ConfigError naming the field.
+Engine, rollout, reward and algorithm settings reuse the dataclasses of their own packages, so a
+field is documented once, where it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhf_megatron.algorithms import AdvantageConfig, PolicyLossConfig
+from rlhf_megatron.engines.config import EngineConfig
+from rlhf_megatron.parallel.dims import ParallelDims
+from rlhf_megatron.rewards.manager import RewardConfig
+from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
+
+
+@dataclass
+class LayoutSpec:
+    """Parallel layout of one Megatron engine; its world size is tp * pp * cp * dp."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B), or None."""
+    cp: int = 1
+    """Context-parallel size (GPU only: needs TE attention)."""
+    dp: int = 1
+    """Data-parallel size."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp,
+                            cp=self.cp)
+
+
+@dataclass
+class ModelSection:
+    path: str = ""
+    """HF checkpoint directory of the policy (config.json + safetensors + tokenizer)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; defaults to `path`."""
+    config_json: str | None = None
+    """The model's config.json, for validation and `rlhf-megatron plan` where `path` is not on
+    this machine. Like every path here, relative to the working directory."""
+
+
+@dataclass
+class DataSection:
+    train_files: list[str] = field(default_factory=list)
+    """Prompt files (.jsonl/.parquet) or directories of them."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out prompts for validation (greedy decoding)."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    data_source_key: str = "data_source"
+    use_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (add_generation_prompt=True)."""
+    max_prompt_length: int = 256
+    """Longest prompt in tokens; a longer one is an error naming the row."""
+    prompts_per_step: int = 8
+    """Prompts per training step (each gets rollout.sampling.n responses)."""
+    val_max_prompts: int | None = None
+    """Validate on at most this many held-out prompts (None: all)."""
+    seed: int = 0
+    """Seed of the per-epoch prompt shuffle."""
+
+
+@dataclass
+class AlgorithmSection:
+    name: str = "grpo"
+    """'grpo' (group advantages, no critic) or 'ppo' (critic, GAE)."""
+    advantage_estimator: str | None = None
+    """Name in ADVANTAGE_ESTIMATORS; None: 'grpo' for grpo, 'gae' for ppo."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    policy_loss: str = "vanilla"
+    """Name in POLICY_LOSSES ('vanilla' PPO clip, 'gspo')."""
+    policy_loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    aggregation: str = "token-mean"
+    """Loss aggregation over the global batch (AGGREGATION_MODES)."""
+    entropy_coeff: float = 0.0
+    kl_mode: str = "loss"
+    """'loss' (KL term in the actor loss), 'reward' (per-token KL penalty in the reward) or
+    'none' (no reference model at all)."""
+    kl_coef: float = 0.001
+    """KL weight (initial value for the adaptive controller)."""
+    kl_kind: str = "low_var_kl"
+    """KL estimator (KL_ESTIMATORS: kl, abs, mse, low_var_kl)."""
+    kl_controller: str = "fixed"
+    """'fixed' or 'adaptive' (kl_mode='reward' only)."""
+    kl_target: float = 0.01
+    kl_horizon: int = 10000
+    mini_batches: int = 1
+    """Optimizer steps per training step: the batch is split into this many mini-batches."""
+    value_clip: float = 0.2
+    """PPO value-loss clip range."""
+    critic_warmup_steps: int = 0
+    """PPO: train only the critic for this many steps first."""
+
+
+@dataclass
+class ActorSection:
+    layout: LayoutSpec = field(default_factory=LayoutSpec)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    offload_during_rollout: bool = False
+    """Colocated GPU layouts: move actor params/grads/optimizer off the GPU while vLLM generates."""
+
+
+@dataclass
+class CriticSection:
+    path: str | None = None
+    """HF checkpoint to initialise the critic trunk from; defaults to model.path."""
+    layout: LayoutSpec = field(default_factory=LayoutSpec)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class RolloutSection:
+    engine: RolloutConfig = field(default_factory=RolloutConfig)
+    num_engines: int = 1
+    """vLLM engines (rollout data parallelism); each uses engine.tensor_parallel_size devices."""
+    sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings(n=4))
+    val_sampling: SamplingSettings = field(
+        default_factory=lambda: SamplingSettings(n=1, temperature=0.0))
+    """Validation decoding (greedy by default)."""
+    bucket_mb: int = 512
+    """Refit bucket size in MiB."""
+
+
+@dataclass
+class RewardModelSection:
+    path: str | None = None
+    """HF sequence-classification checkpoint; when set its score is the reward (rules unused)."""
+    layout: LayoutSpec = field(default_factory=LayoutSpec)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class ResourcesSection:
+    mode: str = "colocated"
+    """'colocated': actor, reference, critic and rollout share one pool of devices (hybrid);
+    'split': separate pools (sizes below)."""
+    nodes: int = 1
+    devices_per_node: int = 1
+    """GPUs per node; on CPU, CPU slots per node."""
+    actor_devices: int | None = None
+    """Split mode: devices of the actor (and reference) pool; default actor.layout world size."""
+    critic_devices: int | None = None
+    """Split mode: devices of the critic pool (PPO)."""
+    rollout_devices: int | None = None
+    """Split mode: devices of the rollout pool."""
+    reward_model_devices: int | None = None
+    """Split mode: devices of the reward-model pool."""
+    cpus_per_device: float = 1.0
+    """Ray CPUs reserved per device (per bundle)."""
+
+
+@dataclass
+class RaySection:
+    address: str | None = None
+    """Join this cluster ('auto', 'ip:port'); None starts a local one."""
+    num_cpus: int | None = None
+    """Local cluster only: logical CPUs (default: enough for the layout)."""
+    worker_timeout_s: float = 60.0
+    """How long a dead worker may go unnoticed; the run ends with an error naming it."""
+    startup_timeout_s: float = 600.0
+    """How long workers may take to build their engines."""
+
+
+@dataclass
+class TrainerSection:
+    total_steps: int = 10
+    run_dir: str = "outputs/run"
+    """Run directory: metrics.jsonl, tensorboard/, checkpoints/, plot."""
+    run_name: str | None = None
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept (older ones are deleted)."""
+    resume: str = "auto"
+    """'auto' (latest complete checkpoint in run_dir, if any), 'never', or a checkpoint path."""
+    val_every: int = 0
+    """Validate every N steps (0: never; needs data.val_files)."""
+    val_before_train: bool = False
+    seed: int = 1
+    """Seeds sampling (per step) and the engines."""
+
+
+@dataclass
+class MetricsSection:
+    console: bool = True
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    """W&B project (needs `pip install wandb`); None disables W&B."""
+    plot: bool = True
+    """Write plot.png (reward and KL per step) into the run dir at the end."""
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    actor: ActorSection = field(default_factory=ActorSection)
+    critic: CriticSection = field(default_factory=CriticSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelSection = field(default_factory=RewardModelSection)
+    resources: ResourcesSection = field(default_factory=ResourcesSection)
+    ray: RaySection = field(default_factory=RaySection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm.name == "ppo"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algorithm.kl_mode != "none"
+
+    @property
+    def uses_reward_model(self) -> bool:
+        return self.reward_model.path is not None
+
+    @property
+    def estimator(self) -> str:
+        default = "gae" if self.algorithm.name == "ppo" else "grpo"
+        return self.algorithm.advantage_estimator or default

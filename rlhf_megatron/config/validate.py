@@ -1,0 +1,256 @@
+"""Up-front validation of a TrainConfig: every check raises one ConfigError naming the field.
+
+Runs before Ray or any engine starts, so a bad config costs a second, not a cluster allocation.
+`check_paths=False` skips file-existence checks (planning a run for a cluster from a laptop).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from rlhf_megatron.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATION_MODES,
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AlgorithmError,
+)
+from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
+from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
+
+ALGORITHMS = ("grpo", "ppo")
+KL_MODES = ("loss", "reward", "none")
+RESOURCE_MODES = ("colocated", "split")
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """How many devices each role gets, and which pool it lives in."""
+
+    total: int
+    pools: dict[str, int]
+    """pool name -> devices ('shared' in colocated mode; 'actor', 'rollout', ... when split)."""
+    role_pool: dict[str, str]
+    """role -> pool name."""
+
+
+def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan:
+    """Check the whole config; return the device plan the controller will place."""
+    _check_algorithm(cfg)
+    _check_trainer(cfg)
+    for name, engine in _engines(cfg):
+        _wrap(f"{name}.engine", engine.validate)
+    _wrap("reward", cfg.reward.validate)
+    _wrap("rollout.sampling", cfg.rollout.sampling.validate)
+    _wrap("rollout.val_sampling", cfg.rollout.val_sampling.validate)
+    if check_paths:
+        _check_paths(cfg)
+    hf_config = model_hf_config(cfg, check_paths=check_paths)
+    if hf_config is not None:
+        _check_model_fits(cfg, hf_config)
+    _check_batches(cfg)
+    return plan_devices(cfg)
+
+
+def _engines(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    engines = [("actor", cfg.actor.engine)]
+    if cfg.uses_critic:
+        engines.append(("critic", cfg.critic.engine))
+    if cfg.uses_reward_model:
+        engines.append(("reward_model", cfg.reward_model.engine))
+    return engines
+
+
+def _wrap(prefix: str, check: Any) -> None:
+    try:
+        check()
+    except (RlhfMegatronError, AlgorithmError, ValueError) as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(prefix) else f"{prefix}: {message}") \
+            from None
+
+
+def _one_of(key: str, value: Any, allowed: Any) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(str, allowed))}")
+
+
+def _check_algorithm(cfg: TrainConfig) -> None:
+    alg = cfg.algorithm
+    _one_of("algorithm.name", alg.name, ALGORITHMS)
+    _one_of("algorithm.advantage_estimator", cfg.estimator, ADVANTAGE_ESTIMATORS.names())
+    _one_of("algorithm.policy_loss", alg.policy_loss, POLICY_LOSSES.names())
+    _one_of("algorithm.aggregation", alg.aggregation, AGGREGATION_MODES)
+    _one_of("algorithm.kl_mode", alg.kl_mode, KL_MODES)
+    _one_of("algorithm.kl_kind", alg.kl_kind, KL_ESTIMATORS.names())
+    _one_of("algorithm.kl_controller", alg.kl_controller, KL_CONTROLLERS.names())
+    if alg.kl_controller == "adaptive" and alg.kl_mode != "reward":
+        raise ConfigError("algorithm.kl_controller='adaptive' needs algorithm.kl_mode='reward'")
+    if alg.kl_coef < 0 or alg.entropy_coeff < 0:
+        raise ConfigError(f"algorithm.kl_coef={alg.kl_coef}, entropy_coeff={alg.entropy_coeff}: "
+                          "must be >= 0")
+    if alg.mini_batches < 1:
+        raise ConfigError(f"algorithm.mini_batches={alg.mini_batches} must be >= 1")
+    if alg.value_clip <= 0:
+        raise ConfigError(f"algorithm.value_clip={alg.value_clip} must be > 0")
+    group_estimators = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+    if cfg.estimator in group_estimators and cfg.rollout.sampling.n < 2:
+        raise ConfigError(f"algorithm.advantage_estimator={cfg.estimator!r} compares samples of "
+                          f"one prompt: rollout.sampling.n={cfg.rollout.sampling.n} must be >= 2")
+    if cfg.estimator == "gae" and not cfg.uses_critic:
+        raise ConfigError("algorithm.advantage_estimator='gae' needs a critic: set "
+                          "algorithm.name=ppo")
+    if cfg.estimator == "remax":
+        raise ConfigError("algorithm.advantage_estimator='remax' is not supported by the "
+                          "controller yet (it needs a greedy baseline rollout)")
+
+
+def _check_trainer(cfg: TrainConfig) -> None:
+    t = cfg.trainer
+    if t.total_steps < 1:
+        raise ConfigError(f"trainer.total_steps={t.total_steps} must be >= 1")
+    for key in ("save_every", "val_every", "keep_last"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0")
+    if not t.run_dir:
+        raise ConfigError("trainer.run_dir must be set")
+    if (t.val_every or t.val_before_train) and not cfg.data.val_files:
+        raise ConfigError("trainer.val_every/val_before_train need data.val_files")
+    if cfg.data.prompts_per_step < 1 or cfg.data.max_prompt_length < 1:
+        raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step}, max_prompt_length="
+                          f"{cfg.data.max_prompt_length}: both must be >= 1")
+    if cfg.rollout.num_engines < 1 or cfg.rollout.bucket_mb < 1:
+        raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}, bucket_mb="
+                          f"{cfg.rollout.bucket_mb}: both must be >= 1")
+    if cfg.ray.worker_timeout_s <= 0 or cfg.ray.startup_timeout_s <= 0:
+        raise ConfigError("ray.worker_timeout_s and ray.startup_timeout_s must be > 0")
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    if not cfg.model.path:
+        raise ConfigError("model.path must name an HF checkpoint directory")
+    paths = [("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
+             ("critic.path", cfg.critic.path if cfg.uses_critic else None),
+             ("reward_model.path", cfg.reward_model.path)]
+    for key, value in paths:
+        if value is not None and not Path(value).is_dir():
+            raise ConfigError(f"{key}={value}: no such directory")
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path}: config.json is missing (not an HF "
+                          "checkpoint)")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: give at least one .jsonl/.parquet file")
+    for key in ("train_files", "val_files"):
+        for i, value in enumerate(getattr(cfg.data, key)):
+            if not Path(value).exists():
+                raise ConfigError(f"data.{key}[{i}]={value}: no such file or directory")
+
+
+def model_hf_config(cfg: TrainConfig, *, check_paths: bool = True) -> Any | None:
+    """The policy's config.json as an attribute namespace (None when it cannot be read offline)."""
+    candidates = []
+    if cfg.model.config_json:
+        candidates.append(Path(cfg.model.config_json))
+    if cfg.model.path:
+        candidates.append(Path(cfg.model.path) / "config.json")
+    for path in candidates:
+        if path.is_file():
+            try:
+                return SimpleNamespace(**json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ConfigError(f"cannot read {path}: {exc}") from None
+    if cfg.model.config_json and check_paths:
+        raise ConfigError(f"model.config_json={cfg.model.config_json}: no such file")
+    return None
+
+
+def _check_model_fits(cfg: TrainConfig, hf: Any) -> None:
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    layers = hf.num_hidden_layers
+    if not hasattr(hf, "head_dim") or hf.head_dim is None:
+        hf.head_dim = hf.hidden_size // heads
+    hf.num_key_value_heads = kv_heads
+    for role, layout in _layouts(cfg):
+        try:
+            layout.dims().validate_for_model(num_attention_heads=heads,
+                                             num_key_value_heads=kv_heads, num_layers=layers)
+        except LayoutError as exc:
+            raise ConfigError(f"{role}.layout: {exc}") from None
+    from rlhf_megatron.platform import current_platform
+
+    _wrap("rollout.engine", lambda: cfg.rollout.engine.validate_for_model(
+        hf, on_cpu=not current_platform().is_cuda))
+    longest = cfg.data.max_prompt_length + cfg.rollout.sampling.max_tokens
+    if longest > cfg.rollout.engine.max_model_len:
+        raise ConfigError(
+            f"data.max_prompt_length + rollout.sampling.max_tokens = {longest} exceeds "
+            f"rollout.engine.max_model_len={cfg.rollout.engine.max_model_len}")
+
+
+def _layouts(cfg: TrainConfig) -> list[tuple[str, LayoutSpec]]:
+    layouts = [("actor", cfg.actor.layout)]
+    if cfg.uses_critic:
+        layouts.append(("critic", cfg.critic.layout))
+    if cfg.uses_reward_model:
+        layouts.append(("reward_model", cfg.reward_model.layout))
+    return layouts
+
+
+def _check_batches(cfg: TrainConfig) -> None:
+    rows = cfg.data.prompts_per_step * cfg.rollout.sampling.n
+    mini = cfg.algorithm.mini_batches
+    if rows % mini:
+        raise ConfigError(
+            f"data.prompts_per_step * rollout.sampling.n = {rows} responses per step are not "
+            f"divisible by algorithm.mini_batches={mini}")
+    for role, layout in _layouts(cfg):
+        if (rows // mini) % layout.dp:
+            raise ConfigError(
+                f"{role}.layout.dp={layout.dp} does not divide the {rows // mini} responses of a "
+                "mini-batch (data.prompts_per_step * rollout.sampling.n / algorithm.mini_batches)")
+
+
+def plan_devices(cfg: TrainConfig) -> DevicePlan:
+    """Assign devices to pools; raise ConfigError when the layout does not fit the resources."""
+    res = cfg.resources
+    _one_of("resources.mode", res.mode, RESOURCE_MODES)
+    if res.nodes < 1 or res.devices_per_node < 1 or res.cpus_per_device <= 0:
+        raise ConfigError(f"resources.nodes={res.nodes}, devices_per_node={res.devices_per_node}, "
+                          f"cpus_per_device={res.cpus_per_device}: all must be positive")
+    total = res.nodes * res.devices_per_node
+    rollout_tp = cfg.rollout.engine.tensor_parallel_size
+    if rollout_tp > res.devices_per_node:
+        raise ConfigError(f"rollout.engine.tensor_parallel_size={rollout_tp} exceeds "
+                          f"resources.devices_per_node={res.devices_per_node} (a vLLM engine "
+                          "stays inside one node)")
+    needs = {"actor": cfg.actor.layout.world_size,
+             "rollout": cfg.rollout.num_engines * rollout_tp}
+    if cfg.uses_critic:
+        needs["critic"] = cfg.critic.layout.world_size
+    if cfg.uses_reward_model:
+        needs["reward_model"] = cfg.reward_model.layout.world_size
+    if res.mode == "colocated":
+        for role, need in needs.items():
+            if need > total:
+                raise ConfigError(
+                    f"{role} needs {need} devices but resources give {total} "
+                    f"({res.nodes} nodes x {res.devices_per_node} devices)")
+        return DevicePlan(total, {"shared": total}, {role: "shared" for role in needs})
+    pools = {}
+    for role, need in needs.items():
+        given = getattr(res, f"{role}_devices")
+        size = need if given is None else given
+        if size != need:
+            raise ConfigError(f"resources.{role}_devices={size} but the {role} layout needs {need}")
+        pools[role] = size
+    if sum(pools.values()) > total:
+        detail = " + ".join(f"{role} {n}" for role, n in pools.items())
+        raise ConfigError(f"split pools need {detail} = {sum(pools.values())} devices but "
+                          f"resources give {total} ({res.nodes} nodes x {res.devices_per_node})")
+    return DevicePlan(total, pools, {role: role for role in pools})
