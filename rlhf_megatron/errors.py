@@ -19,3 +19,7 @@ class UnsupportedArchitectureError(ConfigError):
 
 class CheckpointError(RlhfMegatronError):
     """A checkpoint is missing, corrupt or does not match its config (the message names which)."""
+
+
+class WorkerFailure(RlhfMegatronError):
+    """A Ray worker died or raised during a step; the message names the worker and the call."""

@@ -141,7 +141,7 @@ class ActorEngine(ReferenceEngine):
             values["pg_loss"] = float(loss.detach())
             values["entropy"] = float(entropy_term.detach())
             if settings.kl_loss_coeff:
-                kl = compute_kl_loss(
+                kl, _ = compute_kl_loss(
                     lp, rows.fields["ref_logprobs"], mask, settings.kl_loss_kind, aggregation
                 )
                 loss = loss + settings.kl_loss_coeff * kl

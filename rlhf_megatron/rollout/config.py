@@ -48,8 +48,8 @@ class RolloutConfig:
     """'float32' on CPU; 'bfloat16' on GPU."""
     gpu_memory_utilization: float = 0.5
     """GPU only: fraction of memory vLLM may take (weights + KV cache)."""
-    cpu_kv_cache_gb: float = 1.0
-    """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kv_cache_gb: int = 1
+    """CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
     enable_sleep_mode: bool = True
     """GPU only: sleep/wake around training (level below)."""
     sleep_level: int = 1
@@ -77,5 +77,7 @@ class RolloutConfig:
                 f"head_dim={head_dim} is unsupported by vLLM's CPU attention; "
                 f"supported: {', '.join(map(str, CPU_HEAD_SIZES))}"
             )
+        if self.cpu_kv_cache_gb < 1:
+            raise ConfigError(f"rollout cpu_kv_cache_gb={self.cpu_kv_cache_gb} must be >= 1 (GiB)")
         if self.sleep_level not in (1, 2):
             raise ConfigError(f"rollout sleep_level={self.sleep_level}: expected 1 or 2")

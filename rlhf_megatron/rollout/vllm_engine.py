@@ -42,6 +42,9 @@ class RolloutResult:
     weight_version: int
 
 
+_SEED_STRIDE = 100_003
+
+
 def _load_on_gpu_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.model.load_weights(weights=named_tensors)
 
@@ -92,11 +95,14 @@ class VllmRolloutEngine:
                 f"prompt of {longest} tokens + max_tokens={sampling.max_tokens} exceeds "
                 f"max_model_len={self.config.max_model_len}"
             )
-        params = SamplingParams(
+        # A seed gives every prompt its own stream (seed + i * stride); vLLM offsets the n
+        # samples of one prompt from it, so the stride keeps the streams of prompts apart.
+        params = [SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0,
-            stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed,
-        )
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=None if sampling.seed is None else sampling.seed + i * _SEED_STRIDE,
+        ) for i in range(len(prompts))]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
         )

@@ -1,0 +1,87 @@
+"""Build every worker group of a run on its pool, all at once, and tear them down.
+
+Megatron groups: rank 0 reports a rendezvous address, then every rank joins torch.distributed and
+builds its engines. Rollout workers start vLLM. All of it runs concurrently (the imports and model
+loads of one group overlap with the others').
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rlhf_megatron.config import DevicePlan, TrainConfig
+from rlhf_megatron.controller.ray_cluster import DevicePool
+from rlhf_megatron.controller.worker_group import WorkerGroup, wait_all
+from rlhf_megatron.workers import EngineSpec, MegatronWorker, RolloutWorker
+
+
+@dataclass
+class RunGroups:
+    actor: WorkerGroup
+    rollout: WorkerGroup
+    critic: WorkerGroup | None = None
+    reward_model: WorkerGroup | None = None
+
+    def all(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor, self.rollout, self.critic, self.reward_model) if g]
+
+    def kill(self) -> None:
+        for group in self.all():
+            group.kill()
+
+
+def _megatron_specs(cfg: TrainConfig) -> dict[str, EngineSpec]:
+    seed = cfg.trainer.seed
+    specs = {"actor": EngineSpec("actor", cfg.model.path, cfg.actor.layout,
+                                 replace(cfg.actor.engine, seed=seed),
+                                 with_reference=cfg.uses_reference, seed=seed)}
+    if cfg.uses_critic:
+        specs["critic"] = EngineSpec("critic", cfg.critic.path or cfg.model.path,
+                                     cfg.critic.layout, replace(cfg.critic.engine, seed=seed),
+                                     seed=seed)
+    if cfg.uses_reward_model:
+        specs["reward_model"] = EngineSpec("reward_model", cfg.reward_model.path,
+                                           cfg.reward_model.layout, cfg.reward_model.engine,
+                                           seed=seed)
+    return specs
+
+
+def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool]) -> RunGroups:
+    specs = _megatron_specs(cfg)
+    groups: dict[str, WorkerGroup] = {}
+    for role, spec in specs.items():
+        world = spec.layout.world_size
+        groups[role] = WorkerGroup.create(
+            role, MegatronWorker, pools[plan.role_pool[role]], range(world),
+            lambda rank, role=role, world=world: (f"{role}[{rank}]", rank, world))
+    tp = cfg.rollout.engine.tensor_parallel_size
+    rollout_config = cfg.rollout.engine
+    groups["rollout"] = WorkerGroup.create(
+        "rollout", RolloutWorker, pools[plan.role_pool["rollout"]],
+        [engine * tp for engine in range(cfg.rollout.num_engines)],
+        lambda rank: (f"rollout[{rank}]", cfg.model.path,
+                      replace(rollout_config, seed=rollout_config.seed + rank)))
+    timeout = cfg.ray.startup_timeout_s
+    # Rendezvous addresses first (fast), then every setup at once.
+    masters = {role: groups[role].handles[0].address.remote() for role in specs}
+    addresses = wait_all(list(masters.values()), [f"{r}[0]" for r in masters], "address",
+                         timeout_s=timeout)
+    refs, names, owners = [], [], []
+    for (role, spec), (ip, port, _pid) in zip(specs.items(), addresses, strict=True):
+        for handle, name in zip(groups[role].handles, groups[role].names, strict=True):
+            refs.append(handle.setup.remote(spec, ip, port))
+            names.append(name)
+            owners.append(role)
+    for handle, name in zip(groups["rollout"].handles, groups["rollout"].names, strict=True):
+        refs.append(handle.ping.remote())
+        names.append(name)
+        owners.append("rollout")
+    results = wait_all(refs, names, "setup", timeout_s=timeout)
+    for role in specs:
+        groups[role].set_parallel_ranks([r for r, o in zip(results, owners) if o == role])
+    return RunGroups(**groups)
+
+
+def rollout_handles(groups: RunGroups) -> list[Any]:
+    return list(groups.rollout.handles)

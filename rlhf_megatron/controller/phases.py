@@ -1,0 +1,261 @@
+"""The phases of one PPO/GRPO step, each a named function of the run's state.
+
+    rows, prompts = next_prompts(run)
+    batch, m = generate(run, prompts, run.cfg.rollout.sampling, seed)    # vLLM engines
+    scores    = score_async(run, batch, rows)                             # off the critical path
+    batch, m = compute_logprobs_and_values(run, batch)                   # actor, reference, critic
+    batch, m = compute_advantages_phase(run, batch, scores.result())     # rewards, KL, advantages
+    m = update_critic(run, batch);  m = update_actor(run, batch)
+    m = refit(run, version)                                              # actor -> vLLM weights
+The loop itself is in controller/trainer.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_megatron.algorithms import (
+    AdvantageInputs,
+    KLController,
+    apply_kl_penalty,
+    compute_advantages,
+    compute_kl,
+    masked_mean,
+)
+from rlhf_megatron.config import TrainConfig
+from rlhf_megatron.controller.groups import RunGroups
+from rlhf_megatron.controller.worker_group import concat_rows, wait_all
+from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.data.prompts import PromptLoader, PromptRow
+from rlhf_megatron.engines.actor import PolicyUpdateSettings
+from rlhf_megatron.rewards import RewardManager
+from rlhf_megatron.rollout import SamplingSettings
+from rlhf_megatron.rollout.metrics import rollout_logprob_diff
+
+
+@dataclass
+class Run:
+    """What the phases share: config, worker groups, data, rewards and controller state."""
+
+    cfg: TrainConfig
+    groups: RunGroups
+    tokenizer: Any
+    rewards: RewardManager
+    kl_controller: KLController
+    loader: PromptLoader
+    """Yields (PromptRow, prompt token ids) pairs."""
+    val_items: list[tuple[PromptRow, list[int]]]
+    weight_version: int = 0
+
+
+class _Done:
+    """A finished Future-like value (reward-model scores are computed synchronously)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._value = value
+
+    def result(self) -> torch.Tensor:
+        return self._value
+
+
+def next_prompts(run: Run) -> tuple[list[PromptRow], list[list[int]]]:
+    items = run.loader.next_batch()
+    return [row for row, _ in items], [ids for _, ids in items]
+
+
+def step_seed(base: int, step: int) -> int:
+    """Sampling seed of a step: a function of (run seed, step) only, so a resumed run samples
+    exactly what the uninterrupted one did."""
+    return (base * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+def generate(run: Run, prompts: Sequence[list[int]], sampling: SamplingSettings,
+             seed: int) -> tuple[TokenBatch, dict[str, float]]:
+    """Split the prompts over the rollout engines (contiguous, in order) and gather the
+    responses in prompt-major order; `prompt_index` indexes `prompts`."""
+    group = run.groups.rollout
+    engines = len(group.handles)
+    bounds = [round(i * len(prompts) / engines) for i in range(engines + 1)]
+    refs, names, starts = [], [], []
+    start_time = time.perf_counter()
+    for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if hi > lo:
+            part = dataclasses.replace(sampling, seed=seed + lo * 100_003)
+            refs.append(group.handles[engine].generate.remote(list(prompts[lo:hi]), part))
+            names.append(group.names[engine])
+            starts.append(lo)
+    results = wait_all(refs, names, "rollout.generate")
+    seconds = time.perf_counter() - start_time
+    batches = []
+    finish: list[str] = []
+    for result, lo in zip(results, starts, strict=True):
+        fields = dict(result.batch.fields)
+        fields["prompt_index"] = fields["prompt_index"] + lo
+        batches.append(result.batch.with_fields(**fields))
+        finish += result.finish_reasons
+    batch = TokenBatch.concat(batches)
+    lengths = batch.loss_mask.sum(-1).float()
+    tokens = float(lengths.sum())
+    return batch, {
+        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_ratio": sum(f == "length" for f in finish) / max(len(finish), 1),
+    }
+
+
+def decode_responses(run: Run, batch: TokenBatch) -> list[str]:
+    texts = []
+    for ids, mask in zip(batch.input_ids, batch.loss_mask, strict=True):
+        texts.append(run.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True))
+    return texts
+
+
+def score_async(run: Run, batch: TokenBatch, rows: Sequence[PromptRow]) -> Any:
+    """(bs,) sequence rewards, as a Future: rule/custom rewards run on the reward manager's
+    thread pool while the driver waits on the engines; a reward model scores on its group."""
+    if run.groups.reward_model is not None:
+        return _Done(concat_rows(run.groups.reward_model.dispatch_dp("score", batch)))
+    index = batch.fields["prompt_index"].tolist()
+    answers = [rows[i].answer for i in index]
+    sources = [rows[i].data_source for i in index]
+    future: Future = run.rewards.compute_async(decode_responses(run, batch), answers, sources)
+    return future
+
+
+def compute_logprobs_and_values(run: Run, batch: TokenBatch) -> tuple[TokenBatch, dict]:
+    """Old log-probs (+ entropy) from the actor, reference log-probs, critic values: all at once."""
+    actor = run.groups.actor
+    pending = {"old": actor.submit_dp("compute_logprobs", batch, True)}
+    if run.cfg.uses_reference:
+        pending["ref"] = actor.submit_dp("compute_ref_logprobs", batch)
+    if run.groups.critic is not None:
+        pending["values"] = run.groups.critic.submit_dp("compute_values", batch)
+    done = {key: concat_rows(p.collect()) for key, p in pending.items()}
+    mask = batch.loss_mask.float()
+    fields = {"old_logprobs": done["old"]["logprobs"]}
+    metrics = {"actor/entropy_rollout": float(masked_mean(done["old"]["entropy"], mask))}
+    if "ref" in done:
+        fields["ref_logprobs"] = done["ref"]["logprobs"]
+        kl = compute_kl(fields["old_logprobs"], fields["ref_logprobs"], mask,
+                        kind=run.cfg.algorithm.kl_kind)
+        metrics["kl"] = float(masked_mean(kl, mask))
+    if "values" in done:
+        fields["values"] = done["values"]
+        metrics["critic/values_mean"] = float(masked_mean(done["values"], mask))
+    metrics.update(rollout_logprob_diff(batch.fields["rollout_logprobs"], fields["old_logprobs"],
+                                        mask))
+    metrics["rollout/logprob_diff"] = metrics["rollout/logprob_diff_mean"]
+    return batch.with_fields(**fields), metrics
+
+
+def compute_advantages_phase(run: Run, batch: TokenBatch,
+                             scores: torch.Tensor) -> tuple[TokenBatch, dict]:
+    """Sequence rewards -> token-level rewards (last response token), the KL penalty when KL is
+    a reward, then the configured advantage estimator."""
+    cfg = run.cfg.algorithm
+    mask = batch.loss_mask.float()
+    last = batch.lengths() - 1
+    token_scores = torch.zeros_like(mask)
+    token_scores[torch.arange(len(batch)), last] = scores.float()
+    metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if
+               len(scores) > 1 else 0.0, "reward/max": float(scores.max()),
+               "reward/min": float(scores.min())}
+    rewards = token_scores
+    if cfg.kl_mode == "reward":
+        penalty = apply_kl_penalty(token_scores, batch.fields["old_logprobs"],
+                                   batch.fields["ref_logprobs"], mask,
+                                   run.kl_controller.value, kind=cfg.kl_kind)
+        rewards = penalty.token_level_rewards
+        metrics["kl/coef"] = run.kl_controller.value
+        run.kl_controller.update(penalty.current_kl, len(batch))
+    advantages, returns = compute_advantages(
+        run.cfg.estimator,
+        AdvantageInputs(token_level_rewards=rewards, response_mask=mask,
+                        values=batch.fields.get("values"),
+                        group_ids=batch.fields["prompt_index"]),
+        cfg.advantage)
+    metrics["advantages/mean"] = float(masked_mean(advantages, mask))
+    metrics["returns/mean"] = float(masked_mean(returns, mask))
+    return batch.with_fields(advantages=advantages, returns=returns), metrics
+
+
+def _mini_batches(run: Run, batch: TokenBatch) -> list[TokenBatch]:
+    return batch.chunk(run.cfg.algorithm.mini_batches)
+
+
+def _average(parts: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    keys = parts[0].keys()
+    return {f"{prefix}{k}": sum(p[k] for p in parts) / len(parts) for k in keys}
+
+
+def update_critic(run: Run, batch: TokenBatch) -> dict[str, float]:
+    cfg = run.cfg.algorithm
+    parts = [run.groups.critic.submit_dp("update_critic", mini, cfg.value_clip,
+                                         cfg.aggregation).collect()[0]
+             for mini in _mini_batches(run, batch)]
+    return _average(parts, "critic/")
+
+
+def policy_settings(cfg: TrainConfig) -> PolicyUpdateSettings:
+    alg = cfg.algorithm
+    return PolicyUpdateSettings(
+        loss=alg.policy_loss, loss_config=alg.policy_loss_config, aggregation=alg.aggregation,
+        entropy_coeff=alg.entropy_coeff,
+        kl_loss_coeff=alg.kl_coef if alg.kl_mode == "loss" else 0.0, kl_loss_kind=alg.kl_kind)
+
+
+def update_actor(run: Run, batch: TokenBatch) -> dict[str, float]:
+    settings = policy_settings(run.cfg)
+    parts = [run.groups.actor.submit_dp("update_policy", mini, settings).collect()[0]
+             for mini in _mini_batches(run, batch)]
+    metrics = _average(parts, "actor/")
+    metrics["actor/clipfrac"] = metrics.get("actor/pg_clipfrac", 0.0)
+    return metrics
+
+
+def refit(run: Run, version: int) -> dict[str, float]:
+    """Send the actor's weights to every rollout engine (after every update)."""
+    groups = run.groups
+    colocated = run.cfg.resources.mode == "colocated"
+    if colocated:
+        groups.rollout.call("wake_up")
+    stats = groups.actor.call("refit", list(groups.rollout.handles), version,
+                              run.cfg.rollout.bucket_mb * 2**20)
+    run.weight_version = version
+    sender = stats[0]
+    return {"refit/seconds": sender["seconds"], "refit/bytes": float(sender["bytes"]),
+            "refit/buckets": float(sender["buckets"])}
+
+
+def before_generate(run: Run) -> None:
+    """Hybrid layout: free the actor's device memory for vLLM (when configured)."""
+    if run.cfg.actor.offload_during_rollout:
+        run.groups.actor.call("offload")
+
+
+def after_generate(run: Run) -> None:
+    """Hybrid layout: vLLM sleeps (KV cache freed) while the engines train."""
+    if run.cfg.resources.mode == "colocated":
+        run.groups.rollout.call("sleep")
+    if run.cfg.actor.offload_during_rollout:
+        run.groups.actor.call("onload")
+
+
+def validate(run: Run, seed: int) -> dict[str, float]:
+    """Greedy (rollout.val_sampling) responses to the held-out prompts, scored by the rewards."""
+    if not run.val_items:
+        return {}
+    rows = [row for row, _ in run.val_items]
+    prompts = [ids for _, ids in run.val_items]
+    batch, gen = generate(run, prompts, run.cfg.rollout.val_sampling, seed)
+    scores = score_async(run, batch, rows).result()
+    return {"val/reward/mean": float(scores.mean()),
+            "val/response/length_mean": gen["response/length_mean"]}

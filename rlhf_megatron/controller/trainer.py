@@ -1,0 +1,105 @@
+"""The PPO/GRPO loop. It reads top to bottom; each phase is a function in phases.py.
+
+Steps are numbered from 1. A checkpoint taken after step s holds the engines, the prompt loader,
+the KL controller and the weight version; resuming from it continues at step s + 1 and, on CPU,
+reproduces the uninterrupted run's metrics exactly (sampling seeds depend on (seed, step) only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_megatron.controller import phases
+from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.controller.metrics import MetricsLogger, PhaseTimer
+from rlhf_megatron.controller.phases import Run
+
+
+def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_step: int) -> None:
+    cfg = run.cfg
+    trainer = cfg.trainer
+    timer = PhaseTimer()
+    if trainer.val_before_train and start_step == 1:
+        logger.log(0, phases.validate(run, phases.step_seed(trainer.seed, 0)))
+    progress = _progress_bar(cfg, start_step)
+    for step in range(start_step, trainer.total_steps + 1):
+        timer.reset()
+        metrics: dict[str, float] = {}
+        seed = phases.step_seed(trainer.seed, step)
+
+        with timer.phase("generate"):
+            rows, prompts = phases.next_prompts(run)
+            phases.before_generate(run)
+            batch, m = phases.generate(run, prompts, cfg.rollout.sampling, seed)
+            phases.after_generate(run)
+            metrics.update(m)
+        scores = phases.score_async(run, batch, rows)
+
+        with timer.phase("logprobs"):
+            batch, m = phases.compute_logprobs_and_values(run, batch)
+            metrics.update(m)
+        with timer.phase("reward"):
+            sequence_rewards = scores.result()
+        with timer.phase("advantages"):
+            batch, m = phases.compute_advantages_phase(run, batch, sequence_rewards)
+            metrics.update(m)
+
+        if run.groups.critic is not None:
+            with timer.phase("critic_update"):
+                metrics.update(phases.update_critic(run, batch))
+        if step > cfg.algorithm.critic_warmup_steps:
+            with timer.phase("actor_update"):
+                metrics.update(phases.update_actor(run, batch))
+            with timer.phase("refit"):
+                metrics.update(phases.refit(run, version=step))
+
+        if trainer.val_every and step % trainer.val_every == 0:
+            with timer.phase("validate"):
+                metrics.update(phases.validate(run, phases.step_seed(trainer.seed, 0)))
+        metrics.update(timer.metrics())
+        metrics["weight_version"] = float(run.weight_version)
+        logger.log(step, metrics)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+
+        last = step == trainer.total_steps
+        if (trainer.save_every and step % trainer.save_every == 0) or last:
+            save_checkpoint(run, store, step)
+    if progress is not None:
+        progress.close()
+
+
+def _progress_bar(cfg: Any, start_step: int) -> Any:
+    if not cfg.metrics.progress_bar:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.trainer.total_steps, initial=start_step - 1, desc="train",
+                unit="step", dynamic_ncols=True)
+
+
+def save_checkpoint(run: Run, store: CheckpointStore, step: int) -> Path:
+    """Engines write into a temp dir; the store renames it into place once all is written."""
+    temp = store.begin(step)
+    groups = [("actor", run.groups.actor), ("critic", run.groups.critic)]
+    for name, group in groups:
+        if group is not None:
+            group.call("save_checkpoint", str(temp / name), step)
+    state = {"step": step, "loader": run.loader.state_dict(),
+             "kl_coef": run.kl_controller.value, "weight_version": run.weight_version}
+    return store.commit(step, temp, state)
+
+
+def restore_checkpoint(run: Run, store: CheckpointStore, path: Path) -> int:
+    """Load engines and controller state from `path`, push the restored weights to vLLM, and
+    return the next step to run."""
+    state = store.load_controller_state(path)
+    run.groups.actor.call("load_checkpoint", str(path / "actor"))
+    if run.groups.critic is not None:
+        run.groups.critic.call("load_checkpoint", str(path / "critic"))
+    run.loader.load_state_dict(state["loader"])
+    run.kl_controller.value = float(state["kl_coef"])
+    phases.refit(run, version=int(state["weight_version"]))
+    return int(state["step"]) + 1

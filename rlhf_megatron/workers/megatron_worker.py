@@ -1,0 +1,152 @@
+"""MegatronWorker: one rank of a Megatron engine group, as a Ray actor. A thin shell: every method
+forwards to an engine (engines/); the only logic here is bringing up torch.distributed.
+
+Roles:
+  actor         ActorEngine, plus a frozen ReferenceEngine on the same layout when the algorithm
+                uses a KL term (both start from the same HF weights)
+  critic        CriticEngine (PPO)
+  reward_model  RewardModelEngine
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_megatron.data.batch import TokenBatch
+
+ROLES = ("actor", "critic", "reward_model")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a worker group builds: role, weights, layout, engine settings."""
+
+    role: str
+    hf_dir: str
+    layout: Any  # config.LayoutSpec
+    engine: Any  # engines.config.EngineConfig
+    with_reference: bool = False
+    seed: int = 1234
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class MegatronWorker:
+    """Rank `rank` of `world_size`; `setup` joins the group and builds the engines."""
+
+    def __init__(self, name: str, rank: int, world_size: int) -> None:
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.spec: EngineSpec | None = None
+        self.engine: Any = None
+        self.reference: Any = None
+
+    def address(self) -> tuple[str, int, int]:
+        """(node ip, a free port, pid): rank 0's becomes the group's rendezvous."""
+        return node_ip(), free_port(), os.getpid()
+
+    def setup(self, spec: EngineSpec, master_addr: str, master_port: int) -> dict[str, int]:
+        from rlhf_megatron.parallel import initialize_layout
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                          RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        self.spec = spec
+        dims = spec.layout.dims()
+        initialize_layout(dims, seed=spec.seed)
+        torch.manual_seed(spec.seed)
+        self.engine = self._build(spec, dims)
+        return self.parallel_ranks()
+
+    def _build(self, spec: EngineSpec, dims: Any) -> Any:
+        from rlhf_megatron.engines import ActorEngine, ReferenceEngine
+        from rlhf_megatron.engines.critic import CriticEngine, RewardModelEngine
+
+        if spec.role == "actor":
+            if spec.with_reference:
+                self.reference = ReferenceEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
+            return ActorEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
+        if spec.role == "critic":
+            return CriticEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
+        if spec.role == "reward_model":
+            return RewardModelEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
+        raise ValueError(f"unknown role {spec.role!r}; expected one of {ROLES}")
+
+    def parallel_ranks(self) -> dict[str, int]:
+        """This rank's DP rank and whether it hands results back (tp = cp = 0, first stage)."""
+        from megatron.core import parallel_state as ps
+
+        collector = (ps.get_tensor_model_parallel_rank() == 0
+                     and ps.get_context_parallel_rank() == 0
+                     and ps.get_pipeline_model_parallel_rank() == 0)
+        return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
+                "collector": int(collector)}
+
+    # ------------------------------------------------------------------ actor / reference
+    def compute_logprobs(self, batch: TokenBatch, with_entropy: bool = False) -> dict:
+        return self.engine.compute_logprobs(batch, with_entropy=with_entropy)
+
+    def compute_ref_logprobs(self, batch: TokenBatch) -> dict:
+        return self.reference.compute_logprobs(batch)
+
+    def update_policy(self, batch: TokenBatch, settings: Any) -> dict[str, float]:
+        return self.engine.update_policy(batch, settings)
+
+    # ------------------------------------------------------------------ critic / reward model
+    def compute_values(self, batch: TokenBatch) -> torch.Tensor:
+        return self.engine.compute_values(batch)
+
+    def update_critic(self, batch: TokenBatch, cliprange_value: float,
+                      aggregation: str) -> dict[str, float]:
+        return self.engine.update_critic(batch, cliprange_value=cliprange_value,
+                                         aggregation=aggregation)
+
+    def score(self, batch: TokenBatch) -> torch.Tensor:
+        return self.engine.score(batch)
+
+    # ------------------------------------------------------------------ refit, memory, checkpoints
+    def refit(self, rollout_handles: list[Any], version: int, bucket_bytes: int) -> dict:
+        from rlhf_megatron.refit import is_stage_sender, refit_rollout
+        from rlhf_megatron.workers.rollout_client import RayRolloutFanout, transport_for
+
+        sender = is_stage_sender()
+        client = RayRolloutFanout(rollout_handles) if sender else None
+        transport = transport_for(self.engine) if sender else None
+        try:
+            stats = refit_rollout(self.engine, client, transport, version=version,
+                                  bucket_bytes=bucket_bytes)
+        finally:
+            if transport is not None:
+                transport.close()
+        return {"seconds": stats.seconds, "bytes": stats.bytes_sent, "buckets": stats.buckets,
+                "version": stats.version, **{f"phase/{k}": v for k, v in stats.phases.items()}}
+
+    def offload(self) -> int:
+        return self.engine.offload()
+
+    def onload(self) -> None:
+        self.engine.onload()
+
+    def save_checkpoint(self, directory: str, step: int) -> str:
+        return str(self.engine.save_checkpoint(Path(directory), step=step))
+
+    def load_checkpoint(self, directory: str) -> int:
+        return self.engine.load_checkpoint(Path(directory))
+
+    def ping(self) -> int:
+        return os.getpid()

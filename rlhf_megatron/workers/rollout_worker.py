@@ -1,0 +1,44 @@
+"""RolloutWorker: one vLLM engine as a Ray actor (a thin shell over VllmRolloutEngine), also the
+receiving end of refit (buckets arrive as transport handles, see rollout_client.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
+
+
+class RolloutWorker:
+    def __init__(self, name: str, hf_dir: str, config: RolloutConfig) -> None:
+        from rlhf_megatron.refit.rollout_server import RolloutService
+        from rlhf_megatron.rollout import VllmRolloutEngine
+
+        self.name = name
+        self.engine = VllmRolloutEngine(hf_dir, config)
+        self.service = RolloutService(self.engine)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Any:
+        return self.engine.generate(prompts, sampling)
+
+    def score_logprobs(self, batch: TokenBatch) -> Any:
+        return self.engine.score_logprobs(batch)
+
+    def begin_weight_update(self) -> None:
+        self.service.begin_weight_update()
+
+    def load_bucket(self, handle: Any) -> int:
+        return self.service.load_bucket(handle)
+
+    def finish_weight_update(self, version: int) -> int:
+        return self.service.finish_weight_update(version)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def ping(self) -> int:
+        return os.getpid()
