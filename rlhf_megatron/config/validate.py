@@ -209,11 +209,18 @@ def _check_batches(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"data.prompts_per_step * rollout.sampling.n = {rows} responses per step are not "
             f"divisible by algorithm.mini_batches={mini}")
+    engines = dict(_engines(cfg))
     for role, layout in _layouts(cfg):
         if (rows // mini) % layout.dp:
             raise ConfigError(
                 f"{role}.layout.dp={layout.dp} does not divide the {rows // mini} responses of a "
                 "mini-batch (data.prompts_per_step * rollout.sampling.n / algorithm.mini_batches)")
+        engine = engines[role]
+        per_rank = rows // mini // layout.dp
+        if engine.max_tokens_per_micro_batch is None and per_rank % engine.micro_batch_size:
+            raise ConfigError(
+                f"{role}.engine.micro_batch_size={engine.micro_batch_size} does not divide the "
+                f"{per_rank} responses each DP rank gets per mini-batch")
 
 
 def plan_devices(cfg: TrainConfig) -> DevicePlan:

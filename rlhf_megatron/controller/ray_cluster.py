@@ -20,6 +20,8 @@ WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "RAY_DEDUP_LOGS": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
 }
 
 

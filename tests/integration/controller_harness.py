@@ -1,0 +1,101 @@
+"""Helpers of the controller e2e tests: run `python -m rlhf_megatron train` on the quickstart
+assets as a subprocess, read its metrics, kill it at chosen moments."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "quickstart_cpu.yaml"
+
+# Wall-clock and throughput figures differ between runs; everything else must match exactly.
+VOLATILE_PREFIXES = ("time/", "refit/seconds", "rollout/tokens_per_s")
+
+
+def small_run_overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
+    values: dict[str, object] = {
+        "model.path": assets / "model",
+        "data.train_files": f"[{assets / 'train.jsonl'}]",
+        "data.val_files": f"[{assets / 'val.jsonl'}]",
+        "data.prompts_per_step": 4,
+        "rollout.sampling.n": 4,
+        "trainer.total_steps": 3,
+        "trainer.val_every": 2,
+        "trainer.save_every": 0,
+        "trainer.run_dir": run_dir,
+        "metrics.tensorboard": "false",
+        "metrics.progress_bar": "false",
+        "metrics.plot": "false",
+    }
+    values.update(extra)
+    return [f"{key}={value}" for key, value in values.items()]
+
+
+def train_command(overrides: list[str], config: Path = CONFIG) -> list[str]:
+    return [sys.executable, "-m", "rlhf_megatron", "train", "--config", str(config), *overrides]
+
+
+def run_train(overrides: list[str], *, timeout: float = 300,
+              config: Path = CONFIG) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(overrides, config), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=_env())
+
+
+def start_train(overrides: list[str], log: Path) -> subprocess.Popen:
+    handle = log.open("w")
+    return subprocess.Popen(train_command(overrides), cwd=REPO, stdout=handle,
+                            stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def stable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(VOLATILE_PREFIXES)}
+
+
+def wait_until(condition: Callable[[], bool], process: subprocess.Popen, timeout: float,
+               poll: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended (rc={process.returncode}) before the condition")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(poll)
+
+
+def kill_hard(process: subprocess.Popen) -> None:
+    """kill -9 the driver (the whole session: Ray's local cluster dies with it)."""
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    time.sleep(2)  # let the raylet notice and reap its workers
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
