@@ -1,0 +1,59 @@
+"""`rlhf-megatron plan`: will this config fit that cluster? Exit 0 if so, 1 if not.
+
+    rlhf-megatron plan --config configs/qwen2.5-32b_grpo_2x8.yaml --nodes 2 --gpus-per-node 8 \\
+        --gpu-mem-gb 80 [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+_DESCRIPTION = """\
+Check a training config against a cluster before allocating it. Reads the model's shapes from
+model.config_json (or model.path/config.json), places the layouts on NODES x GPUS_PER_NODE
+(these replace resources.nodes / resources.devices_per_node of the config) and reports:
+
+  - layout checks: TP*PP*CP*DP of every pool against the GPUs (colocated or split), attention
+    and KV heads against TP, layers against PP*VPP, the padded vocabulary, batch sizes against
+    DP and micro-batches, the rollout's TP against a node, TP that crosses nodes;
+  - per-GPU memory of actor, reference, critic, reward model and rollout (weights, grads,
+    optimizer state, activations, vLLM KV cache) and of each phase of a step (what is resident
+    at the same time), against GPU_MEM_GB;
+  - a verdict, and when it does not fit, a layout that does (as key=value overrides).
+
+Formulas and assumptions: docs/PLANNER.md. Exit status: 0 fits, 1 does not fit, 2 bad input."""
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rlhf_megatron.config import load_config, validate_config
+    from rlhf_megatron.planner.cluster import Cluster, on_cluster
+    from rlhf_megatron.planner.plan import plan_config
+    from rlhf_megatron.planner.report import render
+
+    cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb)
+    cfg = load_config(args.config, args.overrides)
+    report = plan_config(cfg, cluster, suggest=not args.no_suggest)
+    print(render(report, source=args.config))
+    if not report.fits:
+        return 1
+    # The layout fits; the rest of the config must still be valid (bad input exits 2).
+    validate_config(on_cluster(cfg, cluster), check_paths=False)
+    return 0
+
+
+def add_plan_parser(commands: Any) -> None:
+    """Register `plan` on the CLI's subparsers."""
+    plan = commands.add_parser(
+        "plan", help="check layouts and per-GPU memory of a config on a cluster",
+        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("--config", required=True, help="YAML training config (see configs/)")
+    plan.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    plan.add_argument("--gpus-per-node", type=int, required=True, help="GPUs in each node")
+    plan.add_argument("--gpu-mem-gb", type=float, required=True,
+                      help="memory of one GPU in GiB (e.g. 80 for H100/A100 80GB)")
+    plan.add_argument("--no-suggest", action="store_true",
+                      help="do not search for a fitting layout when the config does not fit")
+    plan.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="dotted overrides of config values, as for `train`")
+    plan.set_defaults(handler=_cmd_plan)

@@ -1,0 +1,259 @@
+"""Per-GPU memory of each role and of each phase of a training step (docs/PLANNER.md).
+
+A role's figure is that of its worst pipeline stage. A phase sums what is resident on one GPU at
+the same time; its pool fits when its phases fit. Colocated (hybrid) phases follow the controller:
+
+- generate: vLLM awake (its whole gpu_memory_utilization budget); the actor's state unless
+  actor.offload_during_rollout; the reference, critic and reward model stay resident.
+- refit: vLLM is woken (weights and KV cache) before the actor sends its weights, so the actor's
+  full state and vLLM's budget meet here, plus one refit bucket and one TP-gathered tensor.
+- log-probs, actor update, critic update, reward scoring: vLLM sleeps (level 1 or 2: KV cache
+  freed, weights on the host or dropped), keeping its CUDA context; without sleep mode it keeps
+  its whole budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_megatron.config.schema import TrainConfig
+from rlhf_megatron.models import pad_vocab_size
+from rlhf_megatron.planner.checks import (
+    MegatronRole,
+    megatron_roles,
+    micro_batches_per_rank,
+    tokens_per_micro_batch,
+)
+from rlhf_megatron.planner.cluster import Cluster, Finding
+from rlhf_megatron.planner.memory import (
+    GIB,
+    forward_activation_bytes,
+    kv_cache_bytes_per_token,
+    largest_tensor_bytes,
+    model_state_bytes,
+    rollout_dtype_bytes,
+    rollout_weight_bytes,
+    train_dtype_bytes,
+    training_activation_bytes,
+)
+from rlhf_megatron.planner.shapes import ModelShape, stage_params
+
+# Fixed costs per GPU, from what such processes typically hold (docs/PLANNER.md):
+TRAINER_PROCESS_GIB = 2.5
+"""Per Megatron worker process: CUDA context, NCCL communicators of its groups, fragmentation."""
+ROLLOUT_RESERVE_GIB = 3.0
+"""Inside vLLM's budget besides weights and KV: CUDA context, profile-run activations, graphs."""
+ROLLOUT_ASLEEP_GIB = 1.5
+"""What a sleeping vLLM keeps: CUDA context and the CUDA-graph pool."""
+# hf_to_megatron_args leaves TransformerConfig.sequence_parallel off; change with the engines.
+SEQUENCE_PARALLEL = False
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Bytes one GPU gives to one role (its worst pipeline stage)."""
+
+    role: str
+    layout: str
+    weights: float
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    kv_cache: float = 0.0
+    overhead: float = 0.0
+    forward_activations: float = 0.0
+    """Peak of a forward-only pass (log-probs, values, scores); not part of `total`."""
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.kv_cache + self.overhead
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one GPU of `pool` holds at the peak of phase `name`: (label, bytes) parts."""
+
+    name: str
+    pool: str
+    parts: tuple[tuple[str, float], ...]
+
+    @property
+    def total(self) -> float:
+        return sum(size for _, size in self.parts)
+
+
+def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
+                         trainable: bool) -> RoleMemory:
+    """Worst pipeline stage of a Megatron role; frozen roles keep weights only."""
+    layout, engine, shape = role.layout, role.engine, role.shape
+    opt = engine.optimizer
+    shards = layout.dp * layout.cp if opt.use_distributed_optimizer else 1
+    act_bytes = train_dtype_bytes(engine.dtype)
+    tokens = tokens_per_micro_batch(cfg, engine) / layout.cp
+    columns = 0 if role.value_head else pad_vocab_size(shape.vocab, layout.tp) // layout.tp
+    describe = f"tp{layout.tp} pp{layout.pp}" + (f" vpp{layout.vpp}" if layout.vpp else "") + \
+        (f" cp{layout.cp}" if layout.cp > 1 else "") + f" dp{layout.dp}"
+    worst: RoleMemory | None = None
+    for stage in range(layout.pp):
+        params = stage_params(shape, tp=layout.tp, pp=layout.pp, stage=stage,
+                              value_head=role.value_head)
+        state = model_state_bytes(params.total, dtype=engine.dtype, trainable=trainable,
+                                  optimizer=opt.name, sgd_momentum=opt.sgd_momentum,
+                                  optimizer_shards=shards)
+        forward = forward_activation_bytes(
+            shape, tokens=tokens, tp=layout.tp, sequence_parallel=SEQUENCE_PARALLEL,
+            act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0)
+        acts = forward
+        if trainable:
+            acts = training_activation_bytes(
+                shape, tokens=tokens, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, stage=stage,
+                micro_batches=micro_batches_per_rank(cfg, role),
+                recompute=engine.recompute_activations, sequence_parallel=SEQUENCE_PARALLEL,
+                act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0)
+        memory = RoleMemory(name, describe, state.weights, state.grads, state.optimizer, acts,
+                            forward_activations=forward)
+        if worst is None or memory.total > worst.total:
+            worst = memory
+    assert worst is not None
+    return worst
+
+
+def rollout_memory(cfg: TrainConfig, shape: ModelShape, cluster: Cluster) -> RoleMemory:
+    """vLLM takes gpu_memory_utilization of the GPU; the KV cache gets what weights and the
+    reserve leave."""
+    engine = cfg.rollout.engine
+    budget = engine.gpu_memory_utilization * cluster.gpu_mem_gib * GIB
+    weights = rollout_weight_bytes(shape, tp=engine.tensor_parallel_size,
+                                   weight_bytes=rollout_dtype_bytes(engine.dtype))
+    reserve = ROLLOUT_RESERVE_GIB * GIB
+    layout = f"tp{engine.tensor_parallel_size} x{cfg.rollout.num_engines}"
+    return RoleMemory("rollout", layout, weights, kv_cache=budget - weights - reserve,
+                      overhead=reserve)
+
+
+def role_memories(cfg: TrainConfig, shapes: dict[str, ModelShape],
+                  cluster: Cluster) -> dict[str, RoleMemory]:
+    roles = {role.name: role for role in megatron_roles(cfg, shapes)}
+    memories = {"actor": megatron_role_memory(cfg, roles["actor"], name="actor", trainable=True)}
+    if cfg.uses_reference:
+        memories["reference"] = megatron_role_memory(cfg, roles["actor"], name="reference",
+                                                     trainable=False)
+    if "critic" in roles:
+        memories["critic"] = megatron_role_memory(cfg, roles["critic"], name="critic",
+                                                  trainable=True)
+    if "reward_model" in roles:
+        memories["reward_model"] = megatron_role_memory(cfg, roles["reward_model"],
+                                                        name="reward_model", trainable=False)
+    memories["rollout"] = rollout_memory(cfg, shapes["actor"], cluster)
+    return memories
+
+
+def _refit_buffers(cfg: TrainConfig, shape: ModelShape) -> tuple[str, float]:
+    bucket = cfg.rollout.bucket_mb * 2**20
+    gathered = largest_tensor_bytes(shape, weight_bytes=train_dtype_bytes(cfg.actor.engine.dtype))
+    return ("refit bucket + gathered tensor", bucket + gathered)
+
+
+def colocated_phases(cfg: TrainConfig, mem: dict[str, RoleMemory],
+                     shape: ModelShape) -> list[Phase]:
+    """The phases of one hybrid step on a GPU of the shared pool (module docstring)."""
+    processes = 1 + ("critic" in mem) + ("reward_model" in mem)
+    base = [("trainer processes", processes * TRAINER_PROCESS_GIB * GIB)]
+    if "reference" in mem:
+        base.append(("reference weights", mem["reference"].weights))
+    if "reward_model" in mem:
+        base.append(("reward-model weights", mem["reward_model"].weights))
+    critic = [("critic state", mem["critic"].state)] if "critic" in mem else []
+    actor_state = [("actor state", mem["actor"].state)]
+    rollout = [("vLLM (weights + KV + reserve)", mem["rollout"].total)]
+    asleep = [("vLLM asleep", ROLLOUT_ASLEEP_GIB * GIB)]
+    if not cfg.rollout.engine.enable_sleep_mode:
+        asleep = [("vLLM awake (sleep mode off)", mem["rollout"].total)]
+    generate = rollout + ([] if cfg.actor.offload_during_rollout else actor_state)
+    # Old log-probs, reference log-probs and values run one after the other, forward only.
+    forward = max(m.forward_activations for m in mem.values())
+    phases = [
+        Phase("generate", "shared", tuple(generate + base + critic)),
+        Phase("refit", "shared", tuple(rollout + actor_state + base + critic
+                                       + [_refit_buffers(cfg, shape)])),
+        Phase("log-probs", "shared", tuple(actor_state + [("forward activations", forward)]
+                                           + base + critic + asleep)),
+        Phase("actor update", "shared", tuple(actor_state + [
+            ("actor activations", mem["actor"].activations)] + base + critic + asleep)),
+    ]
+    if "critic" in mem:
+        phases.append(Phase("critic update", "shared", tuple(actor_state + base + critic + [
+            ("critic activations", mem["critic"].activations)] + asleep)))
+    if "reward_model" in mem:
+        phases.append(Phase("reward scoring", "shared", tuple(actor_state + base + critic + [
+            ("reward-model activations", mem["reward_model"].activations)] + asleep)))
+    return phases
+
+
+def split_phases(cfg: TrainConfig, mem: dict[str, RoleMemory], shape: ModelShape) -> list[Phase]:
+    """Each pool holds its own roles only; the reference lives in the actor's pool."""
+    process = ("trainer process", TRAINER_PROCESS_GIB * GIB)
+    actor = [("actor state", mem["actor"].state), process]
+    if "reference" in mem:
+        actor.append(("reference weights", mem["reference"].weights))
+    phases = [
+        Phase("actor update", "actor", tuple(actor + [
+            ("actor activations", mem["actor"].activations)])),
+        Phase("refit (send)", "actor", tuple(actor + [_refit_buffers(cfg, shape)])),
+        Phase("generate", "rollout", (("vLLM (weights + KV + reserve)", mem["rollout"].total),)),
+    ]
+    if "critic" in mem:
+        phases.append(Phase("critic update", "critic", (
+            ("critic state", mem["critic"].state), process,
+            ("critic activations", mem["critic"].activations))))
+    if "reward_model" in mem:
+        phases.append(Phase("reward scoring", "reward_model", (
+            ("reward-model weights", mem["reward_model"].weights), process,
+            ("reward-model activations", mem["reward_model"].activations))))
+    return phases
+
+
+def memory_findings(cfg: TrainConfig, mem: dict[str, RoleMemory], phases: list[Phase],
+                    shape: ModelShape, cluster: Cluster) -> list[Finding]:
+    """A phase over the GPU's memory, or a KV cache too small for one sequence, is an error."""
+    limit = cluster.gpu_mem_gib * GIB
+    findings = []
+    for phase in phases:
+        if phase.total > limit:
+            top = sorted(phase.parts, key=lambda part: -part[1])[:3]
+            detail = ", ".join(f"{label} {size / GIB:.1f}" for label, size in top)
+            findings.append(Finding("error", f"phase '{phase.name}'", f"needs "
+                                    f"{phase.total / GIB:.1f} GiB per GPU > "
+                                    f"{cluster.gpu_mem_gib:g} GiB ({detail})"))
+    engine = cfg.rollout.engine
+    per_token = kv_cache_bytes_per_token(shape, tp=engine.tensor_parallel_size,
+                                         kv_bytes=rollout_dtype_bytes(engine.dtype))
+    kv = mem["rollout"].kv_cache
+    sequences = kv / (per_token * engine.max_model_len)
+    if sequences < 1:
+        findings.append(Finding("error", "rollout.engine.gpu_memory_utilization", f"vLLM's budget "
+                                f"of {mem['rollout'].total / GIB:.1f} GiB leaves "
+                                f"{kv / GIB:.1f} GiB of KV cache, less than one sequence of "
+                                f"max_model_len={engine.max_model_len} "
+                                f"({per_token * engine.max_model_len / GIB:.2f} GiB)"))
+    else:
+        findings.append(Finding("info", "rollout", f"KV cache {kv / GIB:.1f} GiB per GPU = "
+                                f"{int(kv // per_token)} tokens = {int(sequences)} sequences of "
+                                f"max_model_len={engine.max_model_len} per engine"))
+    return findings
+
+
+def estimate_memory(cfg: TrainConfig, shapes: dict[str, ModelShape],
+                    cluster: Cluster) -> tuple[dict[str, RoleMemory], list[Phase], list[Finding]]:
+    """Role figures, phases and memory findings of a config already placed on `cluster`."""
+    mem = role_memories(cfg, shapes, cluster)
+    shape = shapes["actor"]
+    if cfg.resources.mode == "colocated":
+        phases = colocated_phases(cfg, mem, shape)
+    else:
+        phases = split_phases(cfg, mem, shape)
+    return mem, phases, memory_findings(cfg, mem, phases, shape, cluster)
