@@ -26,6 +26,7 @@ def small_run_overrides(assets: Path, run_dir: Path, **extra: object) -> list[st
         "data.val_files": f"[{assets / 'val.jsonl'}]",
         "data.prompts_per_step": 4,
         "rollout.sampling.n": 4,
+        "actor.engine.micro_batch_size": 16,
         "trainer.total_steps": 3,
         "trainer.val_every": 2,
         "trainer.save_every": 0,

@@ -1,0 +1,167 @@
+"""Faults through the real CLI: kill -9 mid-run then resume (metrics equal the uninterrupted
+run's), kill during checkpoint save (the previous checkpoint loads), a Ray worker killed mid-step
+(the run ends within 60 s naming it), and bad inputs (one line, non-zero exit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from controller_harness import (
+    kill_hard,
+    last_line,
+    read_metrics,
+    run_train,
+    small_run_overrides,
+    stable,
+    start_train,
+    wait_until,
+)
+
+from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.quickstart import prepare
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare(tmp_path_factory.mktemp("quickstart_assets"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = run_train(small_run_overrides(assets, run_dir, **{
+        "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return records
+
+
+def _resume_and_compare(assets: Path, run_dir: Path, uninterrupted: list[dict]) -> None:
+    result = run_train(small_run_overrides(assets, run_dir, **{
+        "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2,
+        "trainer.resume": "auto"}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(uninterrupted, resumed, strict=True):
+        assert stable(a) == stable(b), f"step {a['step']} differs after resume"
+
+
+def test_kill_mid_run_then_resume_is_exact(assets: Path, tmp_path: Path,
+                                           uninterrupted: list[dict]) -> None:
+    run_dir = tmp_path / "killed"
+    overrides = small_run_overrides(assets, run_dir, **{
+        "trainer.total_steps": STEPS, "trainer.save_every": 2, "trainer.keep_last": 2})
+    process = start_train(overrides, tmp_path / "killed.log")
+    # Step 3 is logged but its checkpoint (step 4's) is not taken: resume redoes step 3.
+    wait_until(lambda: len(read_metrics(run_dir)) >= 3, process, timeout=240)
+    kill_hard(process)
+    assert CheckpointStore(run_dir / "checkpoints", keep_last=2).latest().name == "step_00000002"
+    _resume_and_compare(assets, run_dir, uninterrupted)
+
+
+def test_kill_during_checkpoint_save(assets: Path, tmp_path: Path,
+                                     uninterrupted: list[dict]) -> None:
+    run_dir = tmp_path / "killed_in_save"
+    checkpoints = run_dir / "checkpoints"
+    overrides = small_run_overrides(assets, run_dir, **{
+        "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2})
+    process = start_train(overrides, tmp_path / "killed_in_save.log")
+
+    def saving_step_3() -> bool:
+        return checkpoints.is_dir() and any(p.name.startswith(".tmp-step_00000003")
+                                            for p in checkpoints.iterdir())
+
+    wait_until(saving_step_3, process, timeout=240, poll=0.005)
+    kill_hard(process)
+    store = CheckpointStore(checkpoints, keep_last=2)
+    assert store.latest().name == "step_00000002"
+    assert store.load_controller_state(store.latest())["step"] == 2
+    # The previous checkpoint loads (engines, loader, rollout weights) and the run goes on
+    # exactly as if nothing had happened.
+    _resume_and_compare(assets, run_dir, uninterrupted)
+
+
+def _worker_pids(kind: str) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if f"ray::{kind}" in line]
+
+
+def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "worker_death"
+    process = start_train(small_run_overrides(assets, run_dir, **{"trainer.total_steps": 500}),
+                          tmp_path / "worker_death.log")
+    try:
+        wait_until(lambda: len(read_metrics(run_dir)) >= 2, process, timeout=240)
+        pids = _worker_pids("MegatronWorker")
+        assert len(pids) == 2, pids
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        process.wait(timeout=90)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode not in (0, None)
+    line = last_line((tmp_path / "worker_death.log").read_text())
+    assert line.startswith("rlhf-megatron: error: worker actor[") and "died" in line, line
+
+
+# ---------------------------------------------------------------------------- bad inputs
+def _one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = last_line(result.stderr)
+    assert line.startswith("rlhf-megatron: error: "), result.stderr[-2000:]
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_unknown_config_key(assets: Path, tmp_path: Path) -> None:
+    result = run_train(small_run_overrides(assets, tmp_path / "r", **{"trainer.totl_steps": 3}))
+    _one_line_error(result, "unknown config key 'trainer.totl_steps'", "total_steps")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_dataset_field(assets: Path, tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 2 =", "answer": "3"}) + "\n"
+                    + json.dumps({"prompt": "2 + 2 ="}) + "\n")
+    result = run_train(small_run_overrides(assets, tmp_path / "r", **{
+        "data.train_files": f"[{data}]"}))
+    _one_line_error(result, "bad.jsonl", "line 2", "answer")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_layout_that_does_not_fit_the_resources(assets: Path, tmp_path: Path) -> None:
+    result = run_train(small_run_overrides(assets, tmp_path / "r", **{
+        "resources.mode": "split", "resources.devices_per_node": 2}))
+    _one_line_error(result, "split pools need actor 2 + rollout 1 = 3 devices",
+                    "resources give 2")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_layout_larger_than_the_ray_cluster(assets: Path, tmp_path: Path) -> None:
+    result = run_train(small_run_overrides(assets, tmp_path / "r", **{"ray.num_cpus": 1}))
+    _one_line_error(result, "needs 2 devices", "Ray cluster has 1")
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("    raise ValueError('grader crashed')\n", "grader crashed"),
+    ("    return [1.0]\n", "returned 1 rewards for 16 responses"),
+])
+def test_bad_custom_reward(assets: Path, tmp_path: Path, body: str, needle: str) -> None:
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text("def accuracy_reward(responses, answers, **kwargs):\n" + body)
+    result = run_train(small_run_overrides(assets, tmp_path / "r", **{
+        "reward.custom_function": f"{reward_file}:accuracy_reward"}))
+    _one_line_error(result, "accuracy_reward", needle)
