@@ -54,13 +54,14 @@ class DevicePool:
 
 
 def start_ray(cfg: TrainConfig, plan: DevicePlan) -> None:
-    """Join cfg.ray.address, or start a local cluster sized for the layout."""
+    """Join cfg.ray.address (or $RAY_ADDRESS), or start a local cluster sized for the layout."""
     import ray
 
     env = {**WORKER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.engine.cpu_kv_cache_gb)}
     runtime_env = {"env_vars": env}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, runtime_env=runtime_env, log_to_driver=True)
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         needed = int(plan.total * cfg.resources.cpus_per_device + 0.999)
         num_cpus = cfg.ray.num_cpus or max(needed, os.cpu_count() or 1)
