@@ -79,6 +79,36 @@ def prepare(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def _window_mean(records: list[dict], key: str, window: int, last: bool) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    values = values[-window:] if last else values[:window]
+    return sum(values) / len(values) if values else None
+
+
+def summary(run_dir: Path, window: int = 10) -> str:
+    """First and last figures of a run (means over `window` steps), for `make demo`."""
+    from rlhf_megatron.controller.metrics import read_metrics
+
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 1]
+    if not records:
+        raise SystemExit(f"no training steps in {run_dir / 'metrics.jsonl'}")
+    lines = [f"quickstart: {len(records)} GRPO steps in {run_dir}"]
+    for key in ("reward/mean", "kl", "actor/entropy"):
+        first = _window_mean(records, key, window, last=False)
+        final = _window_mean(records, key, window, last=True)
+        if first is not None and final is not None:
+            lines.append(f"  {key:<16} first {window} steps {first:.3f}  ->  last {window} steps "
+                         f"{final:.3f}")
+    val = [(r["step"], r["val/reward/mean"]) for r in records if "val/reward/mean" in r]
+    if val:
+        lines.append(f"  val/reward/mean  step {val[0][0]}: {val[0][1]:.3f}  ->  step "
+                     f"{val[-1][0]}: {val[-1][1]:.3f} (greedy, held-out sums)")
+    seconds = sum(r.get("time/step", 0.0) for r in records)
+    lines.append(f"  {seconds:.0f}s in steps; plot {run_dir / 'plot.png'}, TensorBoard "
+                 f"{run_dir / 'tensorboard'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m rlhf_megatron.quickstart",
@@ -89,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--out", type=Path, default=Path("outputs/quickstart_assets"),
                       help="directory to write (default: %(default)s)")
     make.add_argument("--seed", type=int, default=0, help="weights and split seed")
+    report = sub.add_parser("summary", help="print a run's first and last figures")
+    report.add_argument("run_dir", type=Path, nargs="?", default=Path("outputs/quickstart"))
     args = parser.parse_args(argv)
+    if args.command == "summary":
+        print(summary(args.run_dir))
+        return 0
     out = prepare(args.out, args.seed)
     print(f"quickstart assets in {out}")
     return 0

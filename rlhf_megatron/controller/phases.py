@@ -105,6 +105,8 @@ def generate(run: Run, prompts: Sequence[list[int]], sampling: SamplingSettings,
     tokens = float(lengths.sum())
     return batch, {
         "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        "batch/tokens": float(batch.attention_mask.sum()),
+        "batch/sequences": float(len(batch)),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/clip_ratio": sum(f == "length" for f in finish) / max(len(finish), 1),

@@ -20,7 +20,6 @@ WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "RAY_DEDUP_LOGS": "0",
-    "VLLM_LOGGING_LEVEL": "WARNING",
     "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
 }
 
@@ -57,7 +56,10 @@ def start_ray(cfg: TrainConfig, plan: DevicePlan) -> None:
     """Join cfg.ray.address (or $RAY_ADDRESS), or start a local cluster sized for the layout."""
     import ray
 
-    env = {**WORKER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.engine.cpu_kv_cache_gb)}
+    env = {**WORKER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.engine.cpu_kv_cache_gb),
+           # vLLM warns on every in-place weight reload ("RotaryEmbedding: Failed to load
+           # weights": it has none); keep its log to errors unless asked otherwise.
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
     runtime_env = {"env_vars": env}
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
