@@ -57,13 +57,19 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
     return plan_devices(cfg)
 
 
-def _engines(cfg: TrainConfig) -> list[tuple[str, Any]]:
-    engines = [("actor", cfg.actor.engine)]
+def megatron_roles(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    """(role, section) of every Megatron engine the run builds; each section has .layout and
+    .engine."""
+    roles: list[tuple[str, Any]] = [("actor", cfg.actor)]
     if cfg.uses_critic:
-        engines.append(("critic", cfg.critic.engine))
+        roles.append(("critic", cfg.critic))
     if cfg.uses_reward_model:
-        engines.append(("reward_model", cfg.reward_model.engine))
-    return engines
+        roles.append(("reward_model", cfg.reward_model))
+    return roles
+
+
+def _engines(cfg: TrainConfig) -> list[tuple[str, Any]]:
+    return [(role, section.engine) for role, section in megatron_roles(cfg)]
 
 
 def _wrap(prefix: str, check: Any) -> None:
@@ -194,12 +200,7 @@ def _check_model_fits(cfg: TrainConfig, hf: Any) -> None:
 
 
 def _layouts(cfg: TrainConfig) -> list[tuple[str, LayoutSpec]]:
-    layouts = [("actor", cfg.actor.layout)]
-    if cfg.uses_critic:
-        layouts.append(("critic", cfg.critic.layout))
-    if cfg.uses_reward_model:
-        layouts.append(("reward_model", cfg.reward_model.layout))
-    return layouts
+    return [(role, section.layout) for role, section in megatron_roles(cfg)]
 
 
 def _check_batches(cfg: TrainConfig) -> None:
