@@ -134,18 +134,15 @@ def score_async(run: Run, batch: TokenBatch, rows: Sequence[PromptRow]) -> Any:
 
 def compute_logprobs_and_values(run: Run, batch: TokenBatch) -> tuple[TokenBatch, dict]:
     """Old log-probs (+ entropy) from the actor, reference log-probs, critic values: all at once."""
-    actor = run.groups.actor
-    pending = {"old": actor.submit_dp("compute_logprobs", batch, True)}
-    if run.cfg.uses_reference:
-        pending["ref"] = actor.submit_dp("compute_ref_logprobs", batch)
+    pending = {"old": run.groups.actor.submit_dp("compute_old_and_ref_logprobs", batch)}
     if run.groups.critic is not None:
         pending["values"] = run.groups.critic.submit_dp("compute_values", batch)
     done = {key: concat_rows(p.collect()) for key, p in pending.items()}
     mask = batch.loss_mask.float()
     fields = {"old_logprobs": done["old"]["logprobs"]}
     metrics = {"actor/entropy_rollout": float(masked_mean(done["old"]["entropy"], mask))}
-    if "ref" in done:
-        fields["ref_logprobs"] = done["ref"]["logprobs"]
+    if "ref_logprobs" in done["old"]:
+        fields["ref_logprobs"] = done["old"]["ref_logprobs"]
         kl = compute_kl(fields["old_logprobs"], fields["ref_logprobs"], mask,
                         kind=run.cfg.algorithm.kl_kind)
         metrics["kl"] = float(masked_mean(kl, mask))
@@ -226,9 +223,10 @@ def update_actor(run: Run, batch: TokenBatch) -> dict[str, float]:
 def refit(run: Run, version: int) -> dict[str, float]:
     """Send the actor's weights to every rollout engine (after every update)."""
     groups = run.groups
-    colocated = run.cfg.resources.mode == "colocated"
-    if colocated:
-        groups.rollout.call("wake_up")
+    if run.cfg.resources.mode == "colocated":
+        # Weights only: the KV cache stays free until the actor is offloaded (before_generate),
+        # so refit's peak is the actor's training state plus vLLM's weights.
+        groups.rollout.call("wake_up", ["weights"])
     stats = groups.actor.call("refit", list(groups.rollout.handles), version,
                               run.cfg.rollout.bucket_mb * 2**20)
     run.weight_version = version
@@ -238,9 +236,12 @@ def refit(run: Run, version: int) -> dict[str, float]:
 
 
 def before_generate(run: Run) -> None:
-    """Hybrid layout: free the actor's device memory for vLLM (when configured)."""
+    """Hybrid layout: free the actor's device memory for vLLM (when configured), then give vLLM
+    its KV cache back."""
     if run.cfg.actor.offload_during_rollout:
         run.groups.actor.call("offload")
+    if run.cfg.resources.mode == "colocated":
+        run.groups.rollout.call("wake_up", ["kv_cache"])
 
 
 def after_generate(run: Run) -> None:

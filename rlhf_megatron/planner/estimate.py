@@ -178,8 +178,10 @@ def colocated_phases(cfg: TrainConfig, mem: dict[str, RoleMemory],
     forward = max(m.forward_activations for m in mem.values())
     phases = [
         Phase("generate", "shared", tuple(generate + base + critic)),
-        Phase("refit", "shared", tuple(rollout + actor_state + base + critic
-                                       + [_refit_buffers(cfg, shape)])),
+        # The controller wakes vLLM's weights only for refit; its KV cache comes back after the
+        # actor is offloaded (controller/phases.py before_generate).
+        Phase("refit", "shared", tuple([("vLLM weights", mem["rollout"].weights)] + actor_state
+                                       + base + critic + [_refit_buffers(cfg, shape)])),
         Phase("log-probs", "shared", tuple(actor_state + [("forward activations", forward)]
                                            + base + critic + asleep)),
         Phase("actor update", "shared", tuple(actor_state + [

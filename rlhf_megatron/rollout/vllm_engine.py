@@ -62,6 +62,7 @@ class VllmRolloutEngine:
         config.validate_for_model(self.hf_config, on_cpu=not self.platform.is_cuda)
         self.weight_version = 0
         self._updating = False
+        self._asleep: set[str] = set()  # memory tags sleep() released, until woken
         self.llm = self._start()
 
     def _start(self) -> Any:
@@ -161,16 +162,24 @@ class VllmRolloutEngine:
 
     def sleep(self) -> None:
         """Free KV cache (and weights at level 2) while the trainer runs; a no-op on CPU."""
-        if self.platform.is_cuda and self.config.enable_sleep_mode:
+        if self.platform.is_cuda and self.config.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.config.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self.platform.is_cuda and self.config.enable_sleep_mode:
-            self.llm.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what sleep() freed; `tags` ("weights", "kv_cache") wakes part of it, so a
+        refit can run with the weights back but the KV cache still free. A no-op on CPU."""
+        wanted = self._asleep if tags is None else self._asleep & set(tags)
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self._asleep -= wanted
 
     def _check_ready(self) -> None:
         if self._updating:
             raise RuntimeError("the rollout engine is paused for a weight update")
+        if self._asleep:
+            raise RuntimeError(f"the rollout engine is asleep ({sorted(self._asleep)} released); "
+                               "call wake_up() first")
 
 
 def _chosen_logprob(entry: dict[int, Any], token: int) -> float:

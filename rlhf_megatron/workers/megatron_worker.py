@@ -104,6 +104,13 @@ class MegatronWorker:
     def compute_ref_logprobs(self, batch: TokenBatch) -> dict:
         return self.reference.compute_logprobs(batch)
 
+    def compute_old_and_ref_logprobs(self, batch: TokenBatch) -> dict:
+        """Actor log-probs + entropy and reference log-probs in one call (one round trip)."""
+        out = self.engine.compute_logprobs(batch, with_entropy=True)
+        if self.reference is not None:
+            out["ref_logprobs"] = self.reference.compute_logprobs(batch)["logprobs"]
+        return out
+
     def update_policy(self, batch: TokenBatch, settings: Any) -> dict[str, float]:
         return self.engine.update_policy(batch, settings)
 

@@ -37,8 +37,8 @@ class RolloutWorker:
     def sleep(self) -> None:
         self.engine.sleep()
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
 
     def ping(self) -> int:
         return os.getpid()
