@@ -48,6 +48,7 @@ def run_ours(assets: Path, out: Path, settings: dict) -> list[dict]:
         "model.path": assets / "model", "data.train_files": f"[{assets / 'train.jsonl'}]",
         "data.val_files": "[]", "data.prompts_per_step": settings["prompts_per_step"],
         "rollout.sampling.n": settings["n"], "rollout.sampling.max_tokens": settings["max_tokens"],
+        "rollout.engine.max_model_len": 8 + settings["max_tokens"],
         "actor.engine.optimizer.lr": settings["lr"], "algorithm.kl_coef": settings["kl_coef"],
         "trainer.total_steps": settings["steps"], "trainer.val_every": 0,
         "trainer.save_every": 0, "trainer.run_dir": run_dir, "trainer.resume": "never",
@@ -72,11 +73,12 @@ def run_trl(python: Path, assets: Path, out: Path, settings: dict) -> list[dict]
     config = {**settings, "model": str(assets / "model"), "train_file": str(assets / "train.jsonl"),
               "out_dir": str(out / "trl"), "threads": 2}
     (out / "trl_settings.json").write_text(json.dumps(config))
-    subprocess.run([str(python), str(REPO / "benchmarks" / "trl_grpo_worker.py"),
-                    str(out / "trl_settings.json"), str(out / "trl_result.json")],
-                   check=True, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                        "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "2"})
+    with (out / "trl.log").open("w") as log:
+        subprocess.run([str(python), str(REPO / "benchmarks" / "trl_grpo_worker.py"),
+                        str(out / "trl_settings.json"), str(out / "trl_result.json")],
+                       check=True, stdout=log, stderr=subprocess.STDOUT,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                            "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "2"})
     result = json.loads((out / "trl_result.json").read_text())
     rewards = result["rewards"] + [None] * len(result["steps"])
     return [{
@@ -103,6 +105,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (default 3)")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "grpo")
+    parser.add_argument("--max-tokens", type=int, default=1,
+                        help="response length: 1 is the quickstart task (one-token sums); longer "
+                             "responses measure generation-heavy steps (default 1)")
     parser.add_argument("--trl-venv", type=Path, default=REPO / "outputs" / "bench" / "trl_venv")
     args = parser.parse_args()
 
@@ -110,13 +115,14 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     assets = prepare(args.out / "assets")
-    settings = {"prompts_per_step": 16, "n": 16, "max_tokens": 1, "lr": 1e-3, "kl_coef": 0.001,
+    settings = {"prompts_per_step": 16, "n": 16, "max_tokens": args.max_tokens, "lr": 1e-3, "kl_coef": 0.001,
                 "seed": 1, "steps": args.steps + args.warmup}
     python = ensure_trl_venv(args.trl_venv)
     ours = run_ours(assets, args.out, settings)
     trl = run_trl(python, assets, args.out, settings)
     print(f"GRPO step, {settings['prompts_per_step']} prompts x {settings['n']} samples, "
-          f"{args.steps} timed steps after {args.warmup} warm-up")
+          f"up to {settings['max_tokens']} response tokens, {args.steps} timed steps after "
+          f"{args.warmup} warm-up")
     rate_ours = summarise("rlhf_megatron", ours, args.warmup)
     rate_trl = summarise(f"TRL {TRL_VERSION}", trl, args.warmup)
     ratio = rate_ours / rate_trl

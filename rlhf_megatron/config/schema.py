@@ -132,6 +132,10 @@ class RolloutSection:
     """Validation decoding (greedy by default)."""
     bucket_mb: int = 512
     """Refit bucket size in MiB."""
+    refit_transport: str = "auto"
+    """'auto': engines on the sender's node read each bucket in place (CUDA IPC on GPU, shared
+    memory on CPU), engines on other nodes get it by torch.distributed broadcast; 'local' or
+    'broadcast' force one path (tests, diagnosis)."""
 
 
 @dataclass

@@ -228,7 +228,7 @@ def refit(run: Run, version: int) -> dict[str, float]:
         # so refit's peak is the actor's training state plus vLLM's weights.
         groups.rollout.call("wake_up", ["weights"])
     stats = groups.actor.call("refit", list(groups.rollout.handles), version,
-                              run.cfg.rollout.bucket_mb * 2**20)
+                              run.cfg.rollout.bucket_mb * 2**20, run.cfg.rollout.refit_transport)
     run.weight_version = version
     sender = stats[0]
     return {"refit/seconds": sender["seconds"], "refit/bytes": float(sender["bytes"]),

@@ -127,13 +127,20 @@ class MegatronWorker:
         return self.engine.score(batch)
 
     # ------------------------------------------------------------------ refit, memory, checkpoints
-    def refit(self, rollout_handles: list[Any], version: int, bucket_bytes: int) -> dict:
+    def refit(self, rollout_handles: list[Any], version: int, bucket_bytes: int,
+              transport_kind: str = "auto") -> dict:
+        """Every rank calls this; the stage senders stream buckets to every rollout engine."""
+        import ray
+
         from rlhf_megatron.refit import is_stage_sender, refit_rollout
-        from rlhf_megatron.workers.rollout_client import RayRolloutFanout, transport_for
+        from rlhf_megatron.workers.rollout_client import FanoutTransport, RayRolloutFanout
 
         sender = is_stage_sender()
-        client = RayRolloutFanout(rollout_handles) if sender else None
-        transport = transport_for(self.engine) if sender else None
+        client = transport = None
+        if sender:
+            client = RayRolloutFanout(rollout_handles)
+            engine_ips = ray.get([h.node_ip.remote() for h in rollout_handles])
+            transport = FanoutTransport(self.engine, engine_ips, node_ip(), transport_kind)
         try:
             stats = refit_rollout(self.engine, client, transport, version=version,
                                   bucket_bytes=bucket_bytes)

@@ -1,12 +1,23 @@
 """Refit's RolloutClient over Ray: one sender fans each bucket out to every rollout engine.
 
-The bucket itself never passes through Ray: the handle names a shared-memory segment (CPU), a CUDA
-IPC handle (same node, GPU) or a broadcast group; only that small handle is sent to each engine.
+The bucket itself never passes through Ray: a handle names a shared-memory segment (CPU, same
+node), a CUDA IPC handle (GPU, same node) or a broadcast group (another node); only those small
+handles are sent, one per engine (FanoutHandle).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+TRANSPORT_KINDS = ("auto", "local", "broadcast")
+
+
+@dataclass(frozen=True)
+class FanoutHandle:
+    """The handle each rollout engine gets for one bucket (index = engine)."""
+
+    per_engine: tuple[Any, ...]
 
 
 class _PendingLoads:
@@ -31,7 +42,10 @@ class RayRolloutFanout:
         ray.get([h.begin_weight_update.remote() for h in self.handles])
 
     def load_bucket(self, handle: Any) -> _PendingLoads:
-        return _PendingLoads([h.load_bucket.remote(handle) for h in self.handles])
+        per_engine = handle.per_engine if isinstance(handle, FanoutHandle) \
+            else (handle,) * len(self.handles)
+        return _PendingLoads([h.load_bucket.remote(p)
+                              for h, p in zip(self.handles, per_engine, strict=True)])
 
     def finish_weight_update(self, version: int) -> int:
         import ray
@@ -40,11 +54,59 @@ class RayRolloutFanout:
         return versions[0]
 
 
-def transport_for(engine: Any) -> Any:
-    """The refit transport of this platform: CUDA IPC on GPU (rollout engines share the node and
-    the devices in the hybrid layout), shared memory on CPU."""
+def local_transport(engine: Any) -> Any:
+    """Same node: CUDA IPC on GPU (the hybrid layout shares the devices), shared memory on CPU."""
     from rlhf_megatron.refit import CudaIpcTransport, SharedMemoryTransport
 
     if engine.platform.is_cuda:
         return CudaIpcTransport(engine.platform.device())
     return SharedMemoryTransport()
+
+
+class FanoutTransport:
+    """One staging buffer; engines on this node read it in place (one local transport shared by
+    all of them), engines elsewhere get it by broadcast (one two-party group each)."""
+
+    def __init__(self, engine: Any, engine_ips: list[str], my_ip: str, kind: str) -> None:
+        from rlhf_megatron.refit import BroadcastTransport
+        from rlhf_megatron.workers.megatron_worker import free_port
+
+        if kind not in TRANSPORT_KINDS:
+            raise ValueError(f"refit transport {kind!r}: expected one of {TRANSPORT_KINDS}")
+        self.remote: dict[int, Any] = {}
+        self.local_engines: list[int] = []
+        for i, ip in enumerate(engine_ips):
+            if kind == "local" or (kind == "auto" and ip == my_ip):
+                self.local_engines.append(i)
+            else:
+                self.remote[i] = BroadcastTransport(my_ip, free_port(),
+                                                    device=engine.platform.device())
+        self.local = local_transport(engine) if self.local_engines else None
+        self.engines = len(engine_ips)
+
+    def staging(self, capacity: int) -> Any:
+        first = self.local if self.local is not None else next(iter(self.remote.values()))
+        buffer = first.staging(capacity)
+        for transport in self.remote.values():
+            transport._buffer = buffer  # every broadcast sends the one staged bucket
+        return buffer
+
+    def send(self, layout: Any) -> FanoutHandle:
+        local = self.local.send(layout) if self.local is not None else None
+        return FanoutHandle(tuple(self.remote[i].send(layout) if i in self.remote else local
+                                  for i in range(self.engines)))
+
+    def push(self, handle: FanoutHandle) -> None:
+        if self.local is not None:
+            self.local.push(handle.per_engine[self.local_engines[0]])
+        for i, transport in self.remote.items():
+            transport.push(handle.per_engine[i])
+
+    def release(self, handle: FanoutHandle) -> None:
+        if self.local is not None:
+            self.local.release(handle.per_engine[self.local_engines[0]])
+
+    def close(self) -> None:
+        for transport in [self.local, *self.remote.values()]:
+            if transport is not None:
+                transport.close()

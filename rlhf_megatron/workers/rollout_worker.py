@@ -40,5 +40,10 @@ class RolloutWorker:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.wake_up(tags)
 
+    def node_ip(self) -> str:
+        from rlhf_megatron.workers.megatron_worker import node_ip
+
+        return node_ip()
+
     def ping(self) -> int:
         return os.getpid()

@@ -88,3 +88,14 @@ def test_split_pools(assets: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     _check_common(run_dir, 2)
     assert "pools {'actor': 2, 'rollout': 1} (split)" in result.stderr
+
+
+def test_refit_by_broadcast_to_two_engines(assets: Path, tmp_path: Path) -> None:
+    """The cross-node refit path (torch.distributed broadcast, one group per engine), forced on
+    one machine, feeding two vLLM engines."""
+    run_dir = tmp_path / "broadcast"
+    result = run_train(small_run_overrides(assets, run_dir, **{
+        "rollout.refit_transport": "broadcast", "rollout.num_engines": 2,
+        "trainer.total_steps": 2, "trainer.val_every": 0}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_common(run_dir, 2)
