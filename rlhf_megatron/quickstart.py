@@ -92,7 +92,12 @@ def summary(run_dir: Path, window: int = 10) -> str:
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 1]
     if not records:
         raise SystemExit(f"no training steps in {run_dir / 'metrics.jsonl'}")
-    lines = [f"quickstart: {len(records)} GRPO steps in {run_dir}"]
+    algorithm = "RL"
+    if (run_dir / "config.yaml").is_file():
+        import yaml
+
+        algorithm = yaml.safe_load((run_dir / "config.yaml").read_text())["algorithm"]["name"]
+    lines = [f"quickstart: {len(records)} {algorithm.upper()} steps in {run_dir}"]
     for key in ("reward/mean", "kl", "actor/entropy"):
         first = _window_mean(records, key, window, last=False)
         final = _window_mean(records, key, window, last=True)
