@@ -70,10 +70,10 @@ def train(cfg: TrainConfig) -> Path:
     _say(f"{len(train_items)} training prompts, {len(val_items)} held out; run dir {run_dir}")
 
     start = time.perf_counter()
-    start_ray(cfg, plan)
     groups = None
     logger = None
     try:
+        start_ray(cfg, plan)
         pools = reserve_pools(cfg, plan, cfg.ray.startup_timeout_s)
         _say(f"pools {dict(plan.pools)} ({cfg.resources.mode}); starting workers")
         groups = build_groups(cfg, plan, pools)
