@@ -172,8 +172,6 @@ class RaySection:
     """Join this cluster ('auto', 'ip:port'); None starts a local one."""
     num_cpus: int | None = None
     """Local cluster only: logical CPUs (default: enough for the layout)."""
-    worker_timeout_s: float = 60.0
-    """How long a dead worker may go unnoticed; the run ends with an error naming it."""
     startup_timeout_s: float = 600.0
     """How long workers may take to build their engines."""
 

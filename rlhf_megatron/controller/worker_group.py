@@ -24,7 +24,7 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], call: str, *,
              timeout_s: float | None = None) -> list[Any]:
     """ray.get of every ref, failing fast on the first worker that died or raised."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import RayActorError, RayTaskError
 
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
@@ -50,8 +50,6 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], call: str, *,
                 last = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
                 raise WorkerFailure(f"worker {name} failed in {call}: {type(cause).__name__}: "
                                     f"{last}{_innermost_frame(exc)}") from None
-            except GetTimeoutError:  # pragma: no cover - ready refs do not time out
-                raise
     return results
 
 
