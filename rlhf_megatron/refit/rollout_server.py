@@ -37,7 +37,6 @@ class RolloutService:
         return len(tensors)
 
     def finish_weight_update(self, version: int) -> int:
-        self._broadcast.clear()  # each update's senders open fresh groups
         return self.engine.finish_weight_update(version)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -55,6 +55,7 @@ class MegatronWorker:
         self.spec: EngineSpec | None = None
         self.engine: Any = None
         self.reference: Any = None
+        self._refit_transport: Any = None  # built at the first refit, reused after
 
     def address(self) -> tuple[str, int, int]:
         """(node ip, a free port, pid): rank 0's becomes the group's rendezvous."""
@@ -135,18 +136,15 @@ class MegatronWorker:
         from rlhf_megatron.refit import is_stage_sender, refit_rollout
         from rlhf_megatron.workers.rollout_client import FanoutTransport, RayRolloutFanout
 
-        sender = is_stage_sender()
-        client = transport = None
-        if sender:
+        client = None
+        if is_stage_sender():
             client = RayRolloutFanout(rollout_handles)
-            engine_ips = ray.get([h.node_ip.remote() for h in rollout_handles])
-            transport = FanoutTransport(self.engine, engine_ips, node_ip(), transport_kind)
-        try:
-            stats = refit_rollout(self.engine, client, transport, version=version,
-                                  bucket_bytes=bucket_bytes)
-        finally:
-            if transport is not None:
-                transport.close()
+            if self._refit_transport is None:  # kept: broadcast groups are costly to set up
+                engine_ips = ray.get([h.node_ip.remote() for h in rollout_handles])
+                self._refit_transport = FanoutTransport(self.engine, engine_ips, node_ip(),
+                                                        transport_kind)
+        stats = refit_rollout(self.engine, client, self._refit_transport, version=version,
+                              bucket_bytes=bucket_bytes)
         return {"seconds": stats.seconds, "bytes": stats.bytes_sent, "buckets": stats.buckets,
                 "version": stats.version, **{f"phase/{k}": v for k, v in stats.phases.items()}}
 
