@@ -8,6 +8,7 @@ its bundle; split mode has one pool per role. On CPU the same code runs with CPU
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,11 +65,14 @@ def start_ray(cfg: TrainConfig, plan: DevicePlan) -> None:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        print(f"[rlhf_megatron] joined the Ray cluster at {address}", file=sys.stderr, flush=True)
     else:
         needed = int(plan.total * cfg.resources.cpus_per_device + 0.999)
         num_cpus = cfg.ray.num_cpus or max(needed, os.cpu_count() or 1)
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
                  log_to_driver=True, configure_logging=False)
+        print(f"[rlhf_megatron] started a local Ray cluster ({num_cpus} CPUs)", file=sys.stderr,
+              flush=True)
     check_cluster_fits(cfg, plan, ray.cluster_resources())
 
 
