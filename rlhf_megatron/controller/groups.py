@@ -8,7 +8,6 @@ loads of one group overlap with the others').
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from rlhf_megatron.config import DevicePlan, TrainConfig
 from rlhf_megatron.controller.ray_cluster import DevicePool
@@ -81,7 +80,3 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
     for role in specs:
         groups[role].set_parallel_ranks([r for r, o in zip(results, owners) if o == role])
     return RunGroups(**groups)
-
-
-def rollout_handles(groups: RunGroups) -> list[Any]:
-    return list(groups.rollout.handles)

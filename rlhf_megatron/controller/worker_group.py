@@ -90,12 +90,6 @@ class WorkerGroup:
         refs = [getattr(h, method).remote(*args, **kwargs) for h in self.handles]
         return wait_all(refs, self.names, f"{self.role}.{method}", timeout_s=timeout_s)
 
-    def call_each(self, method: str, args: Sequence[tuple], *,
-                  timeout_s: float | None = None) -> list[Any]:
-        """Worker i gets *args[i]."""
-        refs = [getattr(h, method).remote(*a) for h, a in zip(self.handles, args, strict=True)]
-        return wait_all(refs, self.names, f"{self.role}.{method}", timeout_s=timeout_s)
-
     def set_parallel_ranks(self, ranks: Sequence[dict[str, int]]) -> None:
         self.dp_rank = [r["dp_rank"] for r in ranks]
         self.collector = [bool(r["collector"]) for r in ranks]
