@@ -114,11 +114,19 @@ class ActorSection:
 
 
 @dataclass
-class CriticSection:
+class ModelRoleSection:
+    """A Megatron engine of its own: its checkpoint, layout and engine settings."""
+
     path: str | None = None
-    """HF checkpoint to initialise the critic trunk from; defaults to model.path."""
+    """HF checkpoint directory (see the subclass for what it holds and its default)."""
     layout: LayoutSpec = field(default_factory=LayoutSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass
+class CriticSection(ModelRoleSection):
+    """PPO's critic. `path`: the HF checkpoint its trunk starts from (default: model.path); the
+    value head starts fresh."""
 
 
 @dataclass
@@ -139,11 +147,9 @@ class RolloutSection:
 
 
 @dataclass
-class RewardModelSection:
-    path: str | None = None
-    """HF sequence-classification checkpoint; when set its score is the reward (rules unused)."""
-    layout: LayoutSpec = field(default_factory=LayoutSpec)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+class RewardModelSection(ModelRoleSection):
+    """`path`: an HF *ForSequenceClassification checkpoint; when set, its score is the reward
+    (the rule and custom rewards are not used)."""
 
 
 @dataclass
