@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from rlhf_megatron.config import DevicePlan, TrainConfig
 from rlhf_megatron.controller.ray_cluster import DevicePool
 from rlhf_megatron.controller.worker_group import WorkerGroup, wait_all
+from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.workers import EngineSpec, MegatronWorker, RolloutWorker
 
 
@@ -63,9 +64,7 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
                       replace(rollout_config, seed=rollout_config.seed + rank)))
     timeout = cfg.ray.startup_timeout_s
     # Rendezvous addresses first (fast), then every setup at once.
-    masters = {role: groups[role].handles[0].address.remote() for role in specs}
-    addresses = wait_all(list(masters.values()), [f"{r}[0]" for r in masters], "address",
-                         timeout_s=timeout)
+    addresses = _rendezvous_addresses(groups, list(specs), timeout)
     refs, names, owners = [], [], []
     for (role, spec), (ip, port, _pid) in zip(specs.items(), addresses, strict=True):
         for handle, name in zip(groups[role].handles, groups[role].names, strict=True):
@@ -80,3 +79,22 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
     for role in specs:
         groups[role].set_parallel_ranks([r for r, o in zip(results, owners) if o == role])
     return RunGroups(**groups)
+
+
+def _rendezvous_addresses(groups: dict[str, WorkerGroup], roles: list[str],
+                          timeout: float) -> list[tuple[str, int, int]]:
+    """(ip, port, pid) of each group's rank 0. Each picks a free port by binding port 0 and
+    closing it, so two groups on one node can be handed the same port: ask again until the
+    (ip, port) pairs are distinct."""
+    addresses: dict[str, tuple[str, int, int]] = {}
+    for _attempt in range(20):
+        missing = [role for role in roles if role not in addresses]
+        refs = [groups[role].handles[0].address.remote() for role in missing]
+        for role, address in zip(missing, wait_all(refs, [f"{r}[0]" for r in missing], "address",
+                                                   timeout_s=timeout), strict=True):
+            taken = {(ip, port) for ip, port, _ in addresses.values()}
+            if (address[0], address[1]) not in taken:
+                addresses[role] = address
+        if len(addresses) == len(roles):
+            return [addresses[role] for role in roles]
+    raise WorkerFailure("could not find distinct rendezvous ports for the worker groups")
