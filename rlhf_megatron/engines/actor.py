@@ -136,10 +136,10 @@ class ActorEngine(ReferenceEngine):
                 settings.loss, inputs, settings.loss_config, aggregation
             )
             entropy_term = aggregation.apply(entropy, mask)
-            loss = loss - settings.entropy_coeff * entropy_term
             values = {k: float(v) for k, v in metrics.items()}
-            values["pg_loss"] = float(loss.detach())
+            values["pg_loss"] = float(loss.detach())  # the policy loss alone, without the bonus
             values["entropy"] = float(entropy_term.detach())
+            loss = loss - settings.entropy_coeff * entropy_term
             if settings.kl_loss_coeff:
                 kl, _ = compute_kl_loss(
                     lp, rows.fields["ref_logprobs"], mask, settings.kl_loss_kind, aggregation

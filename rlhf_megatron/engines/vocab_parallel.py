@@ -4,7 +4,8 @@ Each TP rank holds logits for its slice [start, start + V_local) of the padded v
 softmax normaliser, the target logit and the entropy's expectation term are sums over the
 vocabulary, so each rank sums its slice and one all-reduce finishes them. The all-reduce is
 Megatron's `reduce_from_tensor_model_parallel_region` (identity in backward), which gives the
-exact gradient of a sum of per-shard terms. Padded vocabulary columns (ids >= the real vocab size)
+exact gradient of a sum of per-shard terms as long as each per-shard term depends on this rank's
+logits only: everything built from reduced values (Z, A) is replicated on all ranks. Padded vocabulary columns (ids >= the real vocab size)
 are excluded from the softmax so the result equals HF's on the unpadded vocabulary.
 """
 
@@ -60,8 +61,13 @@ def vocab_parallel_logprobs(
     logprobs = target_logit - log_normaliser
     if not compute_entropy:
         return logprobs, None
-    probs = exp / sum_exp.unsqueeze(-1)
-    # H = log Z - E_p[shifted logit]; padded columns have p = 0 and -inf logits, so drop them.
-    expected = (probs * shifted.masked_fill(padding, 0.0)).sum(dim=-1)
-    entropy = log_normaliser - reduce_from_tensor_model_parallel_region(expected)
+    # H = log Z - E_p[shifted logit] = log Z - A / Z with A = sum_v exp(s_v) * s_v; padded
+    # columns have exp = 0 and -inf logits, so drop them. A is reduced before it is divided by Z:
+    # dividing each rank's slice by Z first would make Z feed per-rank terms, and the identity
+    # backward of the reduce would then miss the other ranks' share of dH/dZ (wrong gradient at
+    # TP > 1, right value).
+    weighted = reduce_from_tensor_model_parallel_region(
+        (exp * shifted.masked_fill(padding, 0.0)).sum(dim=-1)
+    )
+    entropy = log_normaliser - weighted / sum_exp
     return logprobs, entropy
