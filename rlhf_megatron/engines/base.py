@@ -42,9 +42,10 @@ class MicroBatch:
 
     rows: the TokenBatch rows it holds, trimmed to their longest real length.
     tokens / position_ids: (b, s), or (1, T) when packed.
-    attention_mask: None (plain causal) or (1, 1, T, T) bool, True = masked (packed, CPU).
+    attention_mask: None (plain causal) or (1, 1, T, T) bool, True = masked (packed, unfused
+        attention only).
     packed: the packing bookkeeping, or None.
-    packed_seq_params: Megatron's PackedSeqParams for THD attention (packed, TE on GPU).
+    packed_seq_params: Megatron's PackedSeqParams for THD attention (packed, TE or SDPA).
     """
 
     rows: TokenBatch
@@ -228,8 +229,11 @@ class MegatronEngine:
         packed = pack_rows(rows.input_ids, rows.attention_mask)
         rows = rows.to(device)
         tokens, positions = packed.tokens.to(device), packed.position_ids.to(device)
-        if self.args.use_te_spec:
-            # TE's THD attention keeps rows apart through cu_seqlens (no T x T mask).
+        from rlhf_megatron.models.builder import packs_by_cu_seqlens
+
+        if packs_by_cu_seqlens(unwrap(self.chunks[0])):
+            # TE's THD attention and the SDPA core attention keep rows apart through cu_seqlens
+            # (no T x T mask); only Megatron's unfused attention needs the block mask.
             return MicroBatch(rows, tokens, positions, None, packed, _thd_params(packed, device))
         return MicroBatch(rows, tokens, positions, block_causal_mask(packed.lengths).to(device),
                           packed)

@@ -2,21 +2,62 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.config_translation import MegatronModelArgs
 
+# Test/debug switch for the local spec's core attention: "sdpa" (default) or "unfused" (Megatron's
+# own DotProductAttention, kept so parity tests can compare against it in the same process).
+LOCAL_ATTENTION_ENV = "RLHF_MEGATRON_LOCAL_ATTENTION"
+_LOCAL_ATTENTION_CHOICES = ("sdpa", "unfused")
 
-def build_layer_spec(args: MegatronModelArgs) -> Any:
-    """The TE spec (norms fused into linear_qkv / linear_fc1) when TE is usable, else local."""
+
+def attention_backend(args: MegatronModelArgs) -> str:
+    """The core attention the model of `args` uses: "te", "sdpa" or "unfused".
+
+    TE stays the first choice when it imports (CUDA); otherwise SDPA (models/sdpa_attention.py),
+    unless the environment selects the unfused local attention (see LOCAL_ATTENTION_ENV).
+    """
+    if args.use_te_spec:
+        return "te"
+    choice = os.environ.get(LOCAL_ATTENTION_ENV, "sdpa")
+    if choice not in _LOCAL_ATTENTION_CHOICES:
+        raise ConfigError(
+            f"{LOCAL_ATTENTION_ENV}={choice!r}: expected one of {list(_LOCAL_ATTENTION_CHOICES)}"
+        )
+    return choice
+
+
+def packs_by_cu_seqlens(model: Any) -> bool:
+    """Whether `model` (a GPTModel from `build_gpt_model`) keeps packed rows apart by cu_seqlens
+    (thd `PackedSeqParams`) rather than by a (1, 1, T, T) mask.
+
+    True for TE and SDPA attention; Megatron's unfused attention only takes the mask.
+    """
+    return model.attention_backend != "unfused"
+
+
+def build_layer_spec(args: MegatronModelArgs, backend: str | None = None) -> Any:
+    """The TE spec (norms fused into linear_qkv / linear_fc1) when TE is usable, else the local
+    spec with SDPA core attention (or Megatron's unfused one); `backend` defaults to
+    `attention_backend(args)`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     qk_layernorm = args.transformer_config.qk_layernorm
-    if args.use_te_spec:
+    backend = backend or attention_backend(args)
+    if backend == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=qk_layernorm, normalization="RMSNorm"
     )
+    if backend == "sdpa":
+        from rlhf_megatron.models.sdpa_attention import SDPAttention
+
+        # The spec is built fresh by each call, so changing it here affects nobody else.
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def build_gpt_model(
@@ -29,7 +70,8 @@ def build_gpt_model(
     """This rank's GPTModel chunk. pre/post_process default to "first/last pipeline stage".
 
     Must run after `initialize_layout`; the output layer is vocab-parallel (logits stay sharded
-    over TP, padded to `args.padded_vocab_size`).
+    over TP, padded to `args.padded_vocab_size`). The model's `attention_backend` attribute names
+    its core attention ("te", "sdpa" or "unfused").
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -41,9 +83,10 @@ def build_gpt_model(
     rope_kwargs = {}
     if args.rope_scaling_factor is not None:
         rope_kwargs = {"rope_scaling": True, "rope_scaling_factor": args.rope_scaling_factor}
-    return GPTModel(
+    backend = attention_backend(args)
+    model = GPTModel(
         config=args.transformer_config,
-        transformer_layer_spec=build_layer_spec(args),
+        transformer_layer_spec=build_layer_spec(args, backend),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_sequence_length,
         pre_process=pre_process,
@@ -55,6 +98,8 @@ def build_gpt_model(
         vp_stage=vp_stage,
         **rope_kwargs,
     )
+    model.attention_backend = backend  # what micro-batches must carry: see packs_by_cu_seqlens
+    return model
 
 
 def build_model_chunks(args: MegatronModelArgs) -> list[Any]:

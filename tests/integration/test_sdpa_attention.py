@@ -1,0 +1,146 @@
+"""SDPA core attention == Megatron's unfused local attention (fp32, 1e-5): logits and gradients.
+
+One 2-rank gloo job walks TP2, PP2 (1F1B, 2 micro-batches) and TP1 x DP2. At each layout it
+builds the engine twice, once with the SDPA core attention (the default without TE) and once with
+Megatron's unfused `DotProductAttention` (selected by RLHF_MEGATRON_LOCAL_ATTENTION=unfused), loads
+the same HF weights, and runs one forward/backward through the engine's own micro-batching and
+Megatron's schedule on right-padded rows of different lengths, unpacked and packed. Packed, the
+SDPA engine passes cu_seqlens (thd) and the unfused one the block-diagonal mask. Each rank compares
+its own logits shard (last stage) and its own gradient shards (every stage). At TP1 it also
+checks that attention dropout (0 in every config) is applied in training only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlhf_megatron.testing.multirank import run_on_ranks
+from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
+
+TOLERANCE = 1e-5
+LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp) on 2 ranks: TP2, PP2, DP2
+ROWS, SEQ = 4, 24
+
+
+def _batch():
+    from rlhf_megatron.data.batch import TokenBatch
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 300, (ROWS, SEQ), generator=g)
+    lengths = torch.tensor([SEQ, 9, 17, 4])  # right padding of different widths
+    attn = (torch.arange(SEQ) < lengths[:, None]).long()
+    return TokenBatch(ids * attn, attn, attn.clone())
+
+
+def _forward_backward(hf_dir: str, dims, backend: str, packing: bool) -> dict:
+    """Logits (this rank's vocab shard, last stage) and main grads of one fwd/bwd pass."""
+    from rlhf_megatron.engines import EngineConfig, OptimizerSettings
+    from rlhf_megatron.engines.base import MegatronEngine, unwrap
+    from rlhf_megatron.models.builder import LOCAL_ATTENTION_ENV
+
+    os.environ[LOCAL_ATTENTION_ENV] = backend
+    try:
+        config = EngineConfig(micro_batch_size=ROWS // 2, use_packing=packing,
+                              optimizer=OptimizerSettings(name="sgd"))
+        engine = MegatronEngine(config, hf_dir=hf_dir, dims=dims, trainable=True)
+        micro_batches = engine.make_micro_batches(_batch())
+    finally:
+        del os.environ[LOCAL_ATTENTION_ENV]
+    layer = unwrap(engine.chunks[0]).decoder.layers[0]
+    used = type(layer.self_attention.core_attention).__name__
+    thd = [m.packed_seq_params is not None for m in micro_batches]
+    logits = []
+
+    def loss_fn(micro, output):
+        from megatron.core import tensor_parallel
+
+        logits.append(output.detach().clone())
+        # Next-token cross-entropy over the vocab-parallel logits (b, s, v / tp), real tokens
+        # only (the padding would pile up gradient on the pad token's embedding row).
+        targets = torch.roll(micro.tokens, -1, dims=1)
+        real = torch.ones_like(targets) if micro.packed else micro.rows.attention_mask
+        ce = tensor_parallel.vocab_parallel_cross_entropy(output.float(), targets)
+        return (ce * real).sum() / real.sum(), {}
+
+    engine.run_micro_batches(micro_batches, loss_fn, forward_only=False)
+    grads = {name: p.main_grad.detach().clone() for name, p in engine.named_parameters()}
+    return {"logits": logits, "grads": grads, "module": used, "thd": thd}
+
+
+def _compare(reference: dict, candidate: dict) -> dict:
+    logit_err = max([(a - b).abs().max().item()
+                     for a, b in zip(reference["logits"], candidate["logits"])], default=0.0)
+    grad_err = max((reference["grads"][n] - g).abs().max().item()
+                   for n, g in candidate["grads"].items())
+    grad_size = max(g.abs().max().item() for g in reference["grads"].values())
+    return {"logits": logit_err, "grads": grad_err, "grad_size": grad_size,
+            "micro_batches_seen": len(candidate["logits"]),
+            "modules": (reference["module"], candidate["module"]),
+            "thd": (reference["thd"], candidate["thd"])}
+
+
+def _dropout_only_in_training(hf_dir: str, dims) -> dict:
+    """An SDPAttention built with attention_dropout=0.5 (the configs use 0) drops only in train()."""
+    import dataclasses
+
+    import transformers
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
+    from rlhf_megatron.models.sdpa_attention import SDPAttention
+
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    args = hf_to_megatron_args(hf_config, ARCHITECTURES.for_hf_config(hf_config), dims)
+    config = dataclasses.replace(args.transformer_config, attention_dropout=0.5)
+    module = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, 2, heads, 32, generator=g) for heads in (4, 2, 2))
+    module.eval()
+    evaluated = module(q, k, v, None)
+    module.train()
+    first, second = module(q, k, v, None), module(q, k, v, None)
+    return {"eval_is_exact": bool(torch.equal(evaluated, module.eval()(q, k, v, None))),
+            "train_drops": not torch.allclose(first, evaluated),
+            "train_draws_differ": not torch.allclose(first, second)}
+
+
+def _parity_job(hf_dir: str) -> dict:
+    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+
+    results = {}
+    for tp, pp in LAYOUTS:
+        dims = ParallelDims(2, tp=tp, pp=pp)
+        initialize_layout(dims, seed=3)
+        for packing in (False, True):
+            unfused = _forward_backward(hf_dir, dims, "unfused", packing)
+            sdpa = _forward_backward(hf_dir, dims, "sdpa", packing)
+            results[f"tp{tp}pp{pp}-{'packed' if packing else 'padded'}"] = _compare(unfused, sdpa)
+        if (tp, pp) == (1, 1):
+            results["dropout"] = _dropout_only_in_training(hf_dir, dims)
+        destroy_layout()
+    return results
+
+
+@pytest.mark.multirank
+def test_sdpa_matches_unfused_attention(tmp_path):
+    # Llama with GQA (4 query heads over 2 KV heads, 1 of each per rank at TP2).
+    hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "LlamaForCausalLM", num_layers=2)
+    per_rank = run_on_ranks(_parity_job, 2, (str(hf_dir),), timeout_s=600)
+    for rank, results in enumerate(per_rank):
+        assert results.pop("dropout") == {"eval_is_exact": True, "train_drops": True,
+                                          "train_draws_differ": True}, rank
+        assert len(results) == 2 * len(LAYOUTS)
+        for case, r in results.items():
+            where = f"rank {rank} {case}: {r}"
+            assert r["modules"] == ("DotProductAttention", "SDPAttention"), where
+            packed = case.endswith("packed")
+            # Packed: the unfused engine used the T x T mask, the SDPA engine cu_seqlens.
+            assert r["thd"] == ([False] * 2, [packed] * 2), where
+            assert r["logits"] < TOLERANCE and r["grads"] < TOLERANCE, where
+            assert r["grad_size"] > 1e-3, where  # the gradients compared are not all ~0
+    # Every layout's last stage saw both micro-batches.
+    for case in per_rank[0]:
+        assert max(rank[case]["micro_batches_seen"] for rank in per_rank) == 2, case
