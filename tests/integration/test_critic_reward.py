@@ -1,5 +1,6 @@
 """Critic values equal a hand-built reference (HF body hidden states @ head); reward-model scores
-equal AutoModelForSequenceClassification's; the critic update trains; bad RM input is refused."""
+equal AutoModelForSequenceClassification's; one critic update (SGD) at TP2 and at PP2 gives the
+weights, values and loss of the same update at TP1; bad RM input is refused."""
 
 from __future__ import annotations
 
@@ -42,7 +43,63 @@ def _hf_scores(rm_dir: str, batch) -> torch.Tensor:
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, 0]
 
 
-def _value_job(lm_dir: str, rm_dir: str) -> dict:
+def _critic_config(packing: bool):
+    from rlhf_megatron.engines import EngineConfig, OptimizerSettings
+
+    # SGD without clipping keeps the update linear in the gradient, so comparing weights at 1e-5
+    # compares the gradients themselves (Adam's first step ~ lr * sign(g) would amplify round-off).
+    return EngineConfig(micro_batch_size=2, use_packing=packing,
+                        optimizer=OptimizerSettings(name="sgd", lr=0.5, clip_grad=0.0))
+
+
+def _critic_update(critic, batch) -> dict:
+    """One update towards random returns; the values before and after, metrics, new weights."""
+    from megatron.core import parallel_state
+
+    values = critic.compute_values(batch)
+    returns = values + torch.randn(values.shape, generator=torch.Generator().manual_seed(0))
+    metrics = critic.update_critic(batch.with_fields(values=values,
+                                                     returns=returns * batch.loss_mask))
+    return {
+        "values": values, "after": critic.compute_values(batch), "metrics": metrics,
+        "weights": {name: p.detach().clone() for name, p in critic.named_parameters()},
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "padded_vocab": critic.args.padded_vocab_size,
+    }
+
+
+def _reference_critic_job(lm_dir: str) -> dict:
+    """The same critic update at TP1/PP1 (one rank)."""
+    from rlhf_megatron.engines.critic import CriticEngine
+    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+
+    dims = ParallelDims(1)
+    initialize_layout(dims)
+    result = _critic_update(CriticEngine(_critic_config(False), hf_dir=lm_dir, dims=dims), _batch())
+    destroy_layout()
+    return result
+
+
+def _weights_diff(result: dict, reference: dict, tp: int) -> float:
+    """Max |weight - reference| over this rank's shards (vocab rows padded as at this layout)."""
+    from rlhf_megatron.models.megatron_layout import resize_vocab_rows, tp_chunk, tp_chunk_gated
+
+    worst = 0.0
+    for name, shard in result["weights"].items():
+        full = reference["weights"][name]
+        if "word_embeddings" in name:
+            full = resize_vocab_rows(full, result["padded_vocab"])
+        if full.shape != shard.shape:
+            if name.endswith("linear_fc1.weight"):
+                full = tp_chunk_gated(full, tp=tp, rank=result["tp_rank"])
+            else:
+                dim = next(d for d in range(full.dim()) if full.shape[d] != shard.shape[d])
+                full = tp_chunk(full, tp=tp, rank=result["tp_rank"], dim=dim)
+        worst = max(worst, (shard - full).abs().max().item())
+    return worst
+
+
+def _value_job(lm_dir: str, rm_dir: str, reference: dict) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -55,11 +112,9 @@ def _value_job(lm_dir: str, rm_dir: str) -> dict:
     for tp, pp in LAYOUTS:
         dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp)
         initialize_layout(dims)
-        config = EngineConfig(micro_batch_size=2, use_packing=pp == 1)
-        rm = RewardModelEngine(config, hf_dir=rm_dir, dims=dims)
+        rm = RewardModelEngine(EngineConfig(micro_batch_size=2), hf_dir=rm_dir, dims=dims)
         scores = rm.score(batch)
-        critic = CriticEngine(config, hf_dir=lm_dir, dims=dims)
-        values = critic.compute_values(batch)
+        critic = CriticEngine(_critic_config(packing=pp == 1), hf_dir=lm_dir, dims=dims)
         head = [p for n, p in critic.named_parameters() if n.startswith("output_layer")]
         # The freshly initialised head lives on the last stage; share it for the reference.
         weight = head[0].detach().clone() if head else torch.zeros(1, 128)
@@ -69,18 +124,14 @@ def _value_job(lm_dir: str, rm_dir: str) -> dict:
         hidden = _hf_hidden(lm_dir, batch)
         expected = torch.nn.functional.pad((hidden @ weight.T)[..., 0][:, :-1], (1, 0))
         expected = expected * batch.loss_mask
-        old_values = values.clone()
-        returns = (old_values + torch.randn(values.shape, generator=torch.Generator().manual_seed(0)))
-        metrics = critic.update_critic(
-            batch.with_fields(values=old_values, returns=returns * batch.loss_mask)
-        )
-        after = critic.compute_values(batch)
+        result = _critic_update(critic, batch)
         out[f"tp{tp}pp{pp}"] = {
             "scores": (scores - _hf_scores(rm_dir, batch)).abs().max().item(),
-            "values": (values - expected).abs().max().item(),
-            "value_scale": values.abs().max().item(),
-            "vf_loss": metrics["vf_loss"],
-            "moved": (after - values).abs().max().item(),
+            "values": (result["values"] - expected).abs().max().item(),
+            "value_scale": result["values"].abs().max().item(),
+            "vf_loss": result["metrics"]["vf_loss"],
+            "weights_vs_tp1": _weights_diff(result, reference, tp),
+            "after_vs_tp1": (result["after"] - reference["after"]).abs().max().item(),
         }
         destroy_layout()
     return out
@@ -90,13 +141,23 @@ def _value_job(lm_dir: str, rm_dir: str) -> dict:
 def test_critic_values_and_reward_scores_match_references(tmp_path):
     lm_dir = write_tiny_hf_checkpoint(tmp_path / "lm", "Qwen2ForCausalLM")
     rm_dir = write_tiny_hf_reward_model(tmp_path / "rm", "Qwen2ForCausalLM", seed=4)
-    per_rank = run_on_ranks(_value_job, 2, (str(lm_dir), str(rm_dir)), timeout_s=600)
+    (reference,) = run_on_ranks(_reference_critic_job, 1, (str(lm_dir),), timeout_s=300)
+    per_rank = run_on_ranks(_value_job, 2, (str(lm_dir), str(rm_dir), reference), timeout_s=600)
+    # The TP1 step is not a no-op: it moved the values far more than the tolerance.
+    assert (reference["after"] - reference["values"]).abs().max().item() > 1e-2
+    # Its loss is the value loss by hand: before the step the prediction is the old value, so
+    # nothing clips and vf_loss = 0.5 * token-mean((value - return)^2) = 0.5 * mean(noise^2).
+    noise, mask = torch.randn((4, 10), generator=torch.Generator().manual_seed(0)), _batch().loss_mask
+    expected_loss = 0.5 * float((noise**2 * mask).sum() / mask.sum())
+    assert abs(reference["metrics"]["vf_loss"] - expected_loss) < TOLERANCE, reference["metrics"]
     for result in per_rank:
         for layout, r in result.items():
             assert r["scores"] < TOLERANCE, f"{layout}: {r}"
             assert r["values"] < TOLERANCE, f"{layout}: {r}"
             assert r["value_scale"] > 1e-3, f"{layout}: {r}"  # the head is not all zeros
-            assert r["vf_loss"] > 0 and r["moved"] > 1e-6, f"{layout}: {r}"
+            assert abs(r["vf_loss"] - reference["metrics"]["vf_loss"]) < TOLERANCE, f"{layout}: {r}"
+            assert r["weights_vs_tp1"] < TOLERANCE, f"{layout}: {r}"
+            assert r["after_vs_tp1"] < TOLERANCE, f"{layout}: {r}"
 
 
 def _rm_without_head_job(lm_dir: str) -> str:
