@@ -24,7 +24,7 @@ from rlhf_megatron.data.packing import (
     pack_rows,
     split_by_token_budget,
 )
-from rlhf_megatron.engines.config import EngineConfig
+from rlhf_megatron.engines.config import EngineConfig, distributed_optimizer_enabled
 from rlhf_megatron.engines.offload import Offloader
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.parallel import ParallelDims
@@ -92,7 +92,7 @@ class MegatronEngine:
         self.chunks = self._build_chunks()
         # 3. Trainable engines: DDP (fp32 main grads), optimizer, LR schedule.
         self.optimizer = self.scheduler = None
-        self._offloader = Offloader()
+        self._offloader = Offloader(platform=self.platform)
         if trainable:
             self._wrap_for_training()
         else:
@@ -146,10 +146,13 @@ class MegatronEngine:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from rlhf_megatron.engines.optimizer_state import install_state_initialiser
+
         opt = self.config.optimizer
-        distributed_optimizer = opt.use_distributed_optimizer and (
-            self.platform.supports_distributed_optimizer
-        )
+        distributed_optimizer = distributed_optimizer_enabled(opt, self.platform)
+        if opt.use_distributed_optimizer and not distributed_optimizer:
+            logger.info("optimizer %s on %s: the plain optimizer (Megatron's distributed "
+                        "optimizer needs CUDA and Adam)", opt.name, self.platform.device_type)
         tc = self.args.transformer_config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -172,6 +175,8 @@ class MegatronEngine:
         self.optimizer = get_megatron_optimizer(
             optimizer_config, self.chunks, use_gloo_process_groups=self.platform.is_cuda
         )
+        # Checkpoint loads into this fresh optimizer need its (still empty) state initialisable.
+        install_state_initialiser(self.optimizer)
         self.scheduler = self._build_scheduler()
         # The schedule calls these: DP all-reduce + tied-embedding sync, and loss scaling.
         tc.finalize_model_grads_func = finalize_model_grads
@@ -309,11 +314,17 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ colocation, checkpoints
     def offload(self) -> int:
-        """Move params, grad buffers and optimizer state off the device (see engines/offload.py).
-        Returns the bytes freed on this rank."""
+        """Move params, grad buffers and optimizer state off the device (see engines/offload.py)
+        and release the allocator's cached memory to the device. Returns the bytes moved off
+        this rank's device (also `offloaded_bytes` until `onload()`)."""
         from rlhf_megatron.engines.offload import engine_state_tensors
 
         return self._offloader.offload(engine_state_tensors(self))
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes the current offload moved off this rank's device (0 when onloaded)."""
+        return self._offloader.offloaded_bytes
 
     def onload(self) -> None:
         """Bring back exactly what `offload()` moved (bitwise)."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_megatron.engines.optimizer_state import load_optimizer_state, sharded_optimizer_state
 from rlhf_megatron.errors import ConfigError
 
 
@@ -66,7 +67,8 @@ def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> 
     dist.barrier()
     state = _model_sharded_state(engine)
     if engine.optimizer is not None:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(dict(state))
+        state["optimizer"] = sharded_optimizer_state(engine.optimizer, dict(state),
+                                                     is_loading=False)
     dist_checkpointing.save(state, str(staging))
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), staging / "rng" / f"rank_{rank}.pt")
@@ -123,7 +125,8 @@ def load_engine_checkpoint(
     template = _model_sharded_state(engine)
     want_optimizer = load_optimizer and engine.optimizer is not None
     if want_optimizer:
-        template["optimizer"] = engine.optimizer.sharded_state_dict(dict(template), is_loading=True)
+        template["optimizer"] = sharded_optimizer_state(engine.optimizer, dict(template),
+                                                        is_loading=True)
     loaded = dist_checkpointing.load(template, str(directory))
     from rlhf_megatron.engines.base import unwrap
 
@@ -133,7 +136,7 @@ def load_engine_checkpoint(
         chunk.load_state_dict(loaded[key])
     meta = torch.load(directory / "engine_state.pt", weights_only=False)
     if want_optimizer:
-        engine.optimizer.load_state_dict(loaded["optimizer"])
+        load_optimizer_state(engine.optimizer, loaded["optimizer"])
         if engine.scheduler is not None and meta["scheduler"] is not None:
             engine.scheduler.load_state_dict(meta["scheduler"])
     rng_file = directory / "rng" / f"rank_{dist.get_rank()}.pt"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,7 +34,8 @@ class OptimizerSettings:
     lr_decay_style: str = "constant"
     """'constant' or 'cosine'."""
     use_distributed_optimizer: bool = True
-    """Shard optimizer state over DP where the platform allows it (CUDA only)."""
+    """Shard optimizer state over DP where it works: on CUDA and with Adam (Megatron's
+    distributed optimizer supports Adam only); elsewhere the plain optimizer is used."""
 
     def validate(self) -> None:
         if self.name not in ("adam", "sgd"):
@@ -49,6 +51,18 @@ class OptimizerSettings:
                 f"optimizer.warmup_steps={self.warmup_steps}, total_steps={self.total_steps}: "
                 "need warmup_steps >= 0 and total_steps >= 1"
             )
+
+
+def distributed_optimizer_enabled(settings: OptimizerSettings, platform: Any) -> bool:
+    """Whether the engine builds Megatron's distributed optimizer: asked for, supported by the
+    platform (`platform.supports_distributed_optimizer`: CUDA) and Adam. Megatron 0.16.1 asserts
+    "Only Adam and HybridDeviceOptimizer currently supported" for anything else, so SGD runs use
+    the plain optimizer (state replicated over DP) instead."""
+    return (
+        settings.use_distributed_optimizer
+        and bool(platform.supports_distributed_optimizer)
+        and settings.name == "adam"
+    )
 
 
 @dataclass(frozen=True)

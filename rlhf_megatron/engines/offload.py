@@ -8,6 +8,12 @@ storage back and copies the bytes in, which restores it bitwise.
 Where the bytes go: on GPU, pinned host memory. On CPU there is no "host" below the device, so
 they go to a spill file (a temp dir, or `spill_dir`), read back on onload; the resident memory
 (RSS) of the process drops by what the allocator returns to the OS.
+
+Giving the memory back: resizing a CUDA storage to 0 bytes returns its block to PyTorch's caching
+allocator, which keeps it reserved for this process. `offload()` then asks the platform to release
+cached memory (`Platform.release_cached_memory`: `torch.cuda.empty_cache()` on CUDA, a no-op on
+CPU), so the device's free memory (`torch.cuda.mem_get_info`) rises by about the bytes offloaded
+and a colocated vLLM can use it. `offloaded_bytes` says how many bytes the last offload moved.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlhf_megatron.platform import Platform, current_platform
 
 _STAGING_BYTES = 16 << 20
 
@@ -71,10 +79,18 @@ def _return_free_heap_to_os() -> None:
 
 
 class Offloader:
-    """`offload(tensors)` then `onload()`; one offload at a time."""
+    """`offload(tensors)` then `onload()`; one offload at a time.
 
-    def __init__(self, spill_dir: str | Path | None = None) -> None:
+    platform: whose `release_cached_memory()` runs after the storages are freed (default: this
+        process's platform).
+    """
+
+    def __init__(
+        self, spill_dir: str | Path | None = None, platform: Platform | None = None
+    ) -> None:
         self.spill_dir = Path(spill_dir) if spill_dir else None
+        self.platform = platform or current_platform()
+        self.offloaded_bytes = 0  # bytes moved out by the offload in progress (0 when onloaded)
         self._stored: list[_Stored] = []
         self._spill_path: Path | None = None
         # File I/O goes through one staging buffer: exposing a storage to numpy/memoryview
@@ -105,7 +121,10 @@ class Offloader:
             item.storage.resize_(0)
         if self._spill_path is not None:
             _return_free_heap_to_os()
-        return sum(item.nbytes for item in self._stored)
+        # The freed blocks sit in the allocator's cache until released (module docstring).
+        self.platform.release_cached_memory()
+        self.offloaded_bytes = sum(item.nbytes for item in self._stored)
+        return self.offloaded_bytes
 
     def onload(self) -> None:
         """Restore every storage bitwise."""
@@ -129,6 +148,7 @@ class Offloader:
                 os.unlink(self._spill_path)
             self._spill_path = None
             self._stored = []
+            self.offloaded_bytes = 0
 
     def _offload_to_pinned_host(self) -> None:
         for item in self._stored:

@@ -36,6 +36,16 @@ class Platform:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local_rank)
 
+    def release_cached_memory(self) -> None:
+        """Hand memory that freed tensors left in the allocator's cache back to the device.
+
+        On CUDA, PyTorch's caching allocator keeps freed blocks reserved for this process, so a
+        colocated process (vLLM waking up) sees none of it until `torch.cuda.empty_cache()`.
+        On CPU there is no such cache here (freed storages go back to malloc): a no-op.
+        """
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
     @property
     def supports_distributed_optimizer(self) -> bool:
         # Megatron's DistributedOptimizer rejects non-CUDA parameters (STACK.md, call site 5).
