@@ -1,7 +1,7 @@
 """Convert between HF checkpoints and Megatron dist-checkpoints, check, and inspect them.
 
     python -m checkpoint_tools hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp 2 --pp 2] [--dtype bf16]
-    python -m checkpoint_tools mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB]
+    python -m checkpoint_tools mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB] [--dtype bf16]
     python -m checkpoint_tools verify --hf HF_DIR --ckpt CKPT_DIR [--tp 2 --pp 2]
     python -m checkpoint_tools inspect DIR
 
@@ -27,8 +27,9 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
 
     stats = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                 force=args.force, progress=not args.quiet)
-    print(f"wrote {args.out}: {stats['params']} Megatron tensors, {stats['bytes'] / 1e6:.1f} MB "
-          f"in {stats['seconds']:.1f} s; peak RSS {peak_rss_mb():.0f} MB")
+    print(f"wrote {args.out}: {stats['params']} Megatron tensors ({stats['dtype']}), "
+          f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s; "
+          f"peak RSS {peak_rss_mb():.0f} MB")
     return 0
 
 
@@ -36,7 +37,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     from checkpoint_tools.mcore_to_hf import convert_mcore_to_hf
 
     stats = convert_mcore_to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size,
-                                force=args.force, progress=not args.quiet)
+                                dtype=args.dtype, force=args.force, progress=not args.quiet)
     print(f"wrote {args.out}: {stats['hf_tensors']} tensors in {stats['files']} file(s), "
           f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s; "
           f"peak RSS {peak_rss_mb():.0f} MB")
@@ -91,19 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
                 "heads and FFN; the vocabulary is padded to a multiple of 128*tp (default 1)",
            "pipeline-parallel size it is meant for: checked against the layers (default 1). "
            "The save itself runs as one process and is layout-free")
-    sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                     help="parameter dtype of the checkpoint (default fp32)")
+    sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                     help="parameter dtype of the checkpoint (default: the HF weights' own)")
 
     sub = add("mcore-to-hf", _mcore_to_hf,
-              "converted dist-checkpoint -> sharded safetensors + index + config + tokenizer")
-    sub.add_argument("--ckpt", required=True, help="checkpoint written by hf-to-mcore")
+              "converted or training dist-checkpoint -> sharded safetensors + index + config + "
+              "tokenizer")
+    sub.add_argument("--ckpt", required=True, help="checkpoint written by hf-to-mcore or by the "
+                     "trainer (optimizer state is skipped)")
     output(sub)
     sub.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (5GB)")
+    sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                     help="dtype of the HF weights (default: the checkpoint's stored dtype)")
 
     sub = add("verify", _verify, "compare HF transformers' and Megatron's logits on the same "
               "tokens; exit 1 beyond the tolerance")
     sub.add_argument("--hf", required=True, help="HF directory")
-    sub.add_argument("--ckpt", required=True, help="checkpoint written by hf-to-mcore")
+    sub.add_argument("--ckpt", required=True, help="checkpoint written by hf-to-mcore or by "
+                     "the trainer")
     layout(sub, "tensor-parallel size to run Megatron at (default 1)",
            "pipeline-parallel size (default 1); tp*pp local gloo ranks are spawned when > 1")
     sub.add_argument("--batch", type=int, default=2, help="sequences (default 2)")

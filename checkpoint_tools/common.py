@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -21,10 +22,31 @@ ASSETS_DIR = "hf_assets"  # config.json, generation_config.json, tokenizer files
 FORMAT_VERSION = 1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+# Stored keys that are not model weights: an engine's training checkpoint also holds Megatron's
+# optimizer state ("optimizer.state.exp_avg.<param key>", "optimizer.distributed...", and
+# "chained_<i>.optimizer..." for a chained optimizer).
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def is_model_key(key: str) -> bool:
+    """Whether a dist-checkpoint key holds a model weight (not optimizer state)."""
+    return _OPTIMIZER_KEY.match(key) is None
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """A Megatron dist-checkpoint of this project (`hf-to-mcore` or an engine's save)."""
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+def hf_assets_dir(path: str | Path) -> Path:
+    """Where the HF config.json and tokenizer of `path` live: `path` itself for an HF directory,
+    its `hf_assets/` for a Megatron dist-checkpoint."""
+    path = Path(path)
+    return path / ASSETS_DIR if is_megatron_checkpoint(path) else path
 
 
 @dataclass(frozen=True)
@@ -96,9 +118,19 @@ def atomic_output_dir(out: Path, *, force: bool) -> Iterator[Path]:
 
 
 def copy_hf_assets(hf_dir: Path, dest: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files (every top-level non-weight file)."""
+    """Copy config, generation config and tokenizer files (every top-level non-weight file).
+    From a Megatron dist-checkpoint, its own `hf_assets/` are copied (an engine built from one
+    passes them on to its training checkpoints)."""
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
+    if is_megatron_checkpoint(hf_dir):
+        for name in ConvertedMetadata.read(hf_dir).asset_files:
+            if not (hf_dir / ASSETS_DIR / name).is_file():
+                raise CheckpointError(f"asset {hf_dir / ASSETS_DIR / name} listed in the "
+                                      "metadata is missing")
+            shutil.copy2(hf_dir / ASSETS_DIR / name, dest / name)
+            copied.append(name)
+        return copied
     for path in sorted(hf_dir.iterdir()):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) \
                 and path.name != "model.safetensors.index.json":

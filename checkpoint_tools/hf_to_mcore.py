@@ -4,6 +4,8 @@ The save runs as one rank at TP=PP=1: the torch_dist format is layout-free, so t
 any TP/PP whose sizes divide the model. `--tp/--pp` name the layout the checkpoint is meant for:
 they are validated against the model (heads, KV heads, FFN, layers) and fix the vocabulary padding
 (Megatron pads the vocabulary to a multiple of 128 * tp), which decides which TP sizes can load it.
+The weights are stored in the HF checkpoint's own dtype (bf16 stays bf16) unless `--dtype` says
+otherwise, so HF -> Megatron -> HF is bit-exact by default.
 
 Memory: streamed (`streaming_save`): the TP=1 model is built on the meta device only for its
 sharded state dict, and each tensor is read from the HF files just before it is written, so peak
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from checkpoint_tools.common import (
     ASSETS_DIR,
@@ -24,32 +29,45 @@ from checkpoint_tools.common import (
     atomic_output_dir,
     check_output_dir,
     copy_hf_assets,
+    dtype_name,
     single_rank_group,
 )
 from rlhf_megatron.errors import CheckpointError
-from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
+from rlhf_megatron.models.hf_checkpoint import HFCheckpoint, LazyTensor
 from rlhf_megatron.models.hf_load import LoadStats
 
 
-def preflight(checkpoint: HFCheckpoint) -> int:
+def preflight(checkpoint: HFCheckpoint) -> list[LazyTensor]:
     """Open every tensor the model needs (shape-checked against config.json) before any work.
 
-    Returns the number of tensors checked. Raises CheckpointError naming the file or tensor.
+    Returns the opened tensors (headers only). Raises CheckpointError naming the file or tensor.
     """
     from rlhf_megatron.models.hf_checkpoint import expected_hf_shapes
 
     tied = bool(getattr(checkpoint.config, "tie_word_embeddings", False))
     names = [n for n in expected_hf_shapes(checkpoint.config) if not (tied and n == "lm_head.weight")]
-    for name in names:
-        checkpoint.open(name)
-    return len(names)
+    return [checkpoint.open(name) for name in names]
+
+
+def stored_dtype(tensors: list[LazyTensor]) -> str:
+    """The dtype name (fp32 / bf16 / fp16) the HF weights are stored in: the one holding most
+    elements (a checkpoint may keep a few small tensors in another dtype)."""
+    elements: Counter[torch.dtype] = Counter()
+    for tensor in tensors:
+        elements[tensor.dtype] += tensor.numel()
+    dtype = elements.most_common(1)[0][0]
+    if dtype not in DTYPES.values():
+        raise CheckpointError(f"the HF weights are stored in {dtype}; pass --dtype fp32, bf16 "
+                              "or fp16")
+    return dtype_name(dtype)
 
 
 def convert_hf_to_mcore(
-    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "fp32",
+    hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str | None = None,
     force: bool = False, progress: bool = True,
 ) -> dict[str, Any]:
-    """Convert `hf_dir` into a dist-checkpoint at `out`; returns a small stats dict."""
+    """Convert `hf_dir` into a dist-checkpoint at `out`; returns a small stats dict.
+    `dtype` (fp32 / bf16 / fp16): what to store; None keeps the HF weights' own dtype."""
     from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
     from rlhf_megatron.parallel import ParallelDims
 
@@ -60,12 +78,13 @@ def convert_hf_to_mcore(
     with HFCheckpoint(hf_dir) as checkpoint:
         config = checkpoint.config
         spec = ARCHITECTURES.for_hf_config(config)
+        tensors = preflight(checkpoint)
+        dtype = dtype or stored_dtype(tensors)
         # Validates heads / KV heads / FFN / layers against the target layout up front.
         target = hf_to_megatron_args(config, spec, ParallelDims(tp * pp, tp=tp, pp=pp),
                                      params_dtype=DTYPES[dtype])
         # Timed from here: the lines above import transformers' and Megatron's code (a constant).
         start = time.perf_counter()
-        tensors = preflight(checkpoint)
         with single_rank_group(), atomic_output_dir(out, force=force) as tmp:
             args = hf_to_megatron_args(config, spec, ParallelDims(1), params_dtype=DTYPES[dtype])
             # The model is only built on the meta device for its sharded state dict: no init.
@@ -79,8 +98,8 @@ def convert_hf_to_mcore(
                 vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
                 asset_files=assets,
             ).write(tmp)
-    return {"hf_tensors": tensors, "params": stats.params, "bytes": stats.bytes_loaded,
-            "seconds": time.perf_counter() - start}
+    return {"hf_tensors": len(tensors), "params": stats.params, "bytes": stats.bytes_loaded,
+            "seconds": time.perf_counter() - start, "dtype": dtype}
 
 
 def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,

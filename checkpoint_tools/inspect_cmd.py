@@ -57,6 +57,7 @@ def inspect_converted(path: Path) -> list[str]:
     metadata = ConvertedMetadata.read(path)
     config = metadata.hf_config_object()
     tensors = read_tensor_metadata(path)
+    optimizer = len(read_tensor_metadata(path, model_only=False)) - len(tensors)
     params = sum(shape.numel() for shape, _ in tensors.values())
     padding = (metadata.padded_vocab_size - metadata.vocab_size) * config.hidden_size
     padding *= 1 if getattr(config, "tie_word_embeddings", False) else 2
@@ -71,6 +72,7 @@ def inspect_converted(path: Path) -> list[str]:
         f"{metadata.padded_vocab_size}; {_loadable_layouts(config, metadata.padded_vocab_size)}",
         *_model_lines(config),
         f"assets: {', '.join(metadata.asset_files)}",
+        f"optimizer state: {f'{optimizer} tensors (a training checkpoint)' if optimizer else 'none'}",
     ]
 
 

@@ -1,5 +1,6 @@
-"""`mcore-to-hf`: a converted Megatron dist-checkpoint -> sharded safetensors + index + config +
-generation config + tokenizer files.
+"""`mcore-to-hf`: a converted or trained Megatron dist-checkpoint -> sharded safetensors + index +
+config + generation config + tokenizer files. Weights come out in the stored dtype (or `--dtype`);
+a training checkpoint's optimizer state is skipped.
 
 Streaming: tensor names, shapes and dtypes come from the torch_dist metadata alone, which fixes
 the output plan (file by file) before any weight is read. Then each Megatron tensor (one layer's
@@ -26,6 +27,7 @@ from checkpoint_tools.common import (
     ConvertedMetadata,
     atomic_output_dir,
     check_output_dir,
+    is_model_key,
     parse_size,
 )
 from checkpoint_tools.dcp_reader import DcpReader
@@ -60,16 +62,17 @@ def read_dcp_metadata(ckpt_dir: Path) -> Any:
         raise CheckpointError(f"cannot read the dist-checkpoint metadata in {ckpt_dir}: {exc}") from None
 
 
-def read_tensor_metadata(ckpt_dir: Path,
-                         metadata: Any = None) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Stored tensor key -> (global shape, dtype), from the torch_dist metadata only."""
+def read_tensor_metadata(ckpt_dir: Path, metadata: Any = None, *,
+                         model_only: bool = True) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Stored tensor key -> (global shape, dtype), from the torch_dist metadata only.
+    `model_only`: leave out optimizer state (a training checkpoint's exp_avg, exp_avg_sq...)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = metadata if metadata is not None else read_dcp_metadata(ckpt_dir)
     return {
         key: (value.size, value.properties.dtype)
         for key, value in metadata.state_dict_metadata.items()
-        if isinstance(value, TensorStorageMetadata)
+        if isinstance(value, TensorStorageMetadata) and (is_model_key(key) or not model_only)
     }
 
 
@@ -109,8 +112,8 @@ def read_source(reader: DcpReader, source: SourceTensor) -> torch.Tensor:
 
 
 def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
-          hf_shapes: dict[str, torch.Size]) -> tuple[list[tuple[SourceTensor, Any]],
-                                                     list[PlannedTensor]]:
+          hf_shapes: dict[str, torch.Size],
+          dtype: torch.dtype) -> tuple[list[tuple[SourceTensor, Any]], list[PlannedTensor]]:
     work, planned = [], []
     for source in sources:
         resolved = table.resolve(source.megatron_name)
@@ -124,7 +127,7 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
         for role in resolved.mapping.hf:
             name = resolved.hf_names[role]
             # One dtype throughout: on CPU Megatron keeps norm weights in fp32 even for bf16.
-            planned.append(PlannedTensor(name, tuple(hf_shapes[name]), DTYPES[metadata.dtype]))
+            planned.append(PlannedTensor(name, tuple(hf_shapes[name]), dtype))
     return work, planned
 
 
@@ -138,10 +141,12 @@ def _hf_tensors(reader: DcpReader, work: list[tuple[SourceTensor, Any]], ctx: An
 
 
 def convert_mcore_to_hf(
-    ckpt_dir: str | Path, out: str | Path, *, max_shard_size: str = "5GB", force: bool = False,
-    progress: bool = True,
+    ckpt_dir: str | Path, out: str | Path, *, max_shard_size: str = "5GB",
+    dtype: str | None = None, force: bool = False, progress: bool = True,
 ) -> dict[str, Any]:
-    """Export a converted checkpoint as an HF directory at `out`; returns a small stats dict."""
+    """Export a converted or training checkpoint as an HF directory at `out` (optimizer state
+    is skipped); returns a small stats dict. `dtype` (fp32 / bf16 / fp16) of the HF weights:
+    None writes the checkpoint's stored dtype."""
     from tqdm import tqdm
 
     from rlhf_megatron.models import ARCHITECTURES, head_dim_of
@@ -159,27 +164,30 @@ def convert_mcore_to_hf(
                          head_dim_of(config), metadata.vocab_size, metadata.padded_vocab_size)
     dcp_metadata = read_dcp_metadata(ckpt_dir)
     sources = source_tensors(ckpt_dir, config.num_hidden_layers, dcp_metadata)
-    work, planned = _plan(metadata, sources, table, expected_hf_shapes(config))
+    out_dtype = DTYPES[dtype or metadata.dtype]
+    work, planned = _plan(metadata, sources, table, expected_hf_shapes(config), out_dtype)
     start = time.perf_counter()
     with atomic_output_dir(out, force=force) as tmp:
         writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes))
         with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
             reader = DcpReader(ckpt_dir, dcp_metadata)
             try:
-                for name, tensor in _hf_tensors(reader, work, ShardContext(shapes),
-                                                 DTYPES[metadata.dtype]):
+                for name, tensor in _hf_tensors(reader, work, ShardContext(shapes), out_dtype):
                     writer.write(name, tensor)
                     bar.update(1)
             finally:
                 reader.close()
         writer.close()
-        _write_assets(ckpt_dir, tmp, metadata, config)
+        _write_assets(ckpt_dir, tmp, metadata, config, out_dtype)
     return {"hf_tensors": len(planned), "files": len(writer.files),
             "bytes": writer.bytes_written, "seconds": time.perf_counter() - start}
 
 
-def _write_assets(ckpt_dir: Path, out: Path, metadata: ConvertedMetadata, config: Any) -> None:
-    """Tokenizer files and generation config as converted; config.json with the stored dtype."""
+def _write_assets(ckpt_dir: Path, out: Path, metadata: ConvertedMetadata, config: Any,
+                  dtype: torch.dtype) -> None:
+    """Tokenizer files, generation config and config.json as converted. config.json is left as
+    it was when its dtype field (`dtype`, or `torch_dtype` before transformers 5) already names
+    the written dtype; otherwise that field is set to it."""
     for name in metadata.asset_files:
         source = ckpt_dir / ASSETS_DIR / name
         if not source.is_file():
@@ -187,11 +195,11 @@ def _write_assets(ckpt_dir: Path, out: Path, metadata: ConvertedMetadata, config
         shutil.copy2(source, out / name)
     config_path = out / "config.json"
     fields = json.loads(config_path.read_text()) if config_path.is_file() else config.to_dict()
-    dtype_str = str(DTYPES[metadata.dtype]).removeprefix("torch.")
-    for key in ("dtype", "torch_dtype"):
-        if key in fields or key == "dtype":
-            fields[key] = dtype_str
-    config_path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    dtype_str = str(dtype).removeprefix("torch.")
+    keys = [key for key in ("dtype", "torch_dtype") if key in fields] or ["dtype"]
+    if not config_path.is_file() or any(fields.get(key) != dtype_str for key in keys):
+        fields.update({key: dtype_str for key in keys})
+        config_path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
     if not (out / "generation_config.json").is_file():
         from transformers import GenerationConfig
 

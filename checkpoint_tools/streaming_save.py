@@ -170,4 +170,6 @@ def build_meta_model(args: Any) -> Any:
 
     with torch.device("meta"):
         (model,) = build_model_chunks(args)
-    return model
+    # Every parameter in the stored dtype, as Float16Module makes it for a bf16/fp16 engine
+    # (Megatron's torch-norm fallback creates norm weights in fp32 whatever params_dtype says).
+    return model.to(args.transformer_config.params_dtype)

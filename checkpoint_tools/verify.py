@@ -46,8 +46,8 @@ def max_logit_diff_on_this_rank(
     """The max |logit diff| on the last pipeline stage; None on other stages."""
     import torch.distributed as dist
     import transformers
-    from megatron.core import dist_checkpointing
 
+    from rlhf_megatron.engines.checkpoint import load_chunk_weights
     from rlhf_megatron.models import build_model_chunks
     from rlhf_megatron.models.forward import forward_logits
     from rlhf_megatron.parallel import ParallelDims, parallel_layout
@@ -56,8 +56,7 @@ def max_logit_diff_on_this_rank(
     with parallel_layout(ParallelDims(dist.get_world_size(), tp=tp, pp=pp), seed=seed):
         args = _megatron_args(metadata, tp, pp)
         chunks = build_model_chunks(args)
-        for chunk in chunks:
-            chunk.load_state_dict(dist_checkpointing.load(chunk.sharded_state_dict(), ckpt_dir))
+        load_chunk_weights(chunks, ckpt_dir)  # model keys only: a training checkpoint works too
         tokens = torch.randint(0, metadata.vocab_size, (batch, seq_len),
                                generator=torch.Generator().manual_seed(seed))
         logits = forward_logits(chunks, tokens, vocab_size=metadata.vocab_size)

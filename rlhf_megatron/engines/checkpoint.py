@@ -104,13 +104,28 @@ def _write_conversion_metadata(engine: Any, staging: Path) -> None:
 
 def load_model_weights(engine: Any, directory: str | Path) -> None:
     """Load only the model weights from any Megatron dist-checkpoint of this architecture: one
-    written by `checkpoint_tools hf-to-mcore` or an engine's training checkpoint, at any layout."""
-    from megatron.core import dist_checkpointing
-
+    written by `checkpoint_tools hf-to-mcore` or an engine's training checkpoint (with or without
+    optimizer state), at any layout."""
     from rlhf_megatron.engines.base import unwrap
 
-    for chunk in (unwrap(chunk) for chunk in engine.chunks):
-        chunk.load_state_dict(dist_checkpointing.load(chunk.sharded_state_dict(), str(directory)))
+    load_chunk_weights([unwrap(chunk) for chunk in engine.chunks], directory)
+
+
+def load_chunk_weights(chunks: list[Any], directory: str | Path) -> None:
+    """Fill unwrapped model chunks (one per virtual pipeline stage) from a dist-checkpoint.
+
+    Sharded keys are global (layer offsets included), so one load serves every chunk whatever
+    layout or VPP split wrote the checkpoint. `dist_checkpointing.load` returns the template
+    merged with the checkpoint's common state (a training checkpoint's optimizer param groups
+    and step): only the template's own keys are kept. Stored tensors are cast to the chunks'
+    dtype on load (a bf16 checkpoint fills an fp32 engine).
+    """
+    from megatron.core import dist_checkpointing
+
+    template = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    loaded = dist_checkpointing.load(template, str(directory))
+    for name, chunk in zip(template, chunks, strict=True):
+        chunk.load_state_dict({key: loaded[name][key] for key in template[name]})
 
 
 def load_engine_checkpoint(

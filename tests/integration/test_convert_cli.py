@@ -105,6 +105,55 @@ def test_tied_bf16_round_trip_in_process(tmp_path, capsys):
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
+def test_bf16_gqa3_tied_round_trip_keeps_dtype_and_is_bit_exact_by_default(tmp_path):
+    """No --dtype: bf16 stays bf16 both ways, every tensor and config.json come back unchanged,
+    and an fp32 engine loads the bf16 checkpoint (cast at load) with HF's fp32 logprobs."""
+    from checkpoint_tools.common import single_rank_group
+    from checkpoint_tools.mcore_to_hf import read_tensor_metadata
+    from rlhf_megatron.engines import EngineConfig, ReferenceEngine
+    from rlhf_megatron.parallel import ParallelDims
+
+    hf_dir = write_tiny_hf_checkpoint(
+        tmp_path / "hf", "Qwen3ForCausalLM", tie_word_embeddings=True, dtype=torch.bfloat16,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=32)  # GQA ratio 3
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    assert main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(ckpt), "--quiet"]) == 0
+    assert json.loads((ckpt / METADATA_FILE).read_text())["dtype"] == "bf16"
+    stored = read_tensor_metadata(ckpt)
+    assert {dtype for _, dtype in stored.values()} == {torch.bfloat16}, stored
+    assert main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--quiet"]) == 0
+    source, exported = _tensors(hf_dir), _tensors(out)
+    assert exported.keys() == source.keys() and "lm_head.weight" not in exported
+    for name, tensor in source.items():
+        assert tensor.dtype == torch.bfloat16 and exported[name].dtype == torch.bfloat16, name
+        assert torch.equal(exported[name], tensor), name
+    assert (out / "config.json").read_bytes() == (hf_dir / "config.json").read_bytes()
+    size = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < 1.05 * size
+
+    import transformers
+
+    tokens = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(tokens).logits
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    with single_rank_group():
+        engine = ReferenceEngine(EngineConfig(micro_batch_size=2), hf_dir=ckpt,
+                                 dims=ParallelDims(1))
+        assert engine.config.params_dtype == torch.float32
+        batch = _token_batch(tokens)
+        logprobs = engine.compute_logprobs(batch)["logprobs"]
+    assert (logprobs[:, 1:] - expected).abs().max().item() < 1e-5
+
+
+def _token_batch(tokens: torch.Tensor):
+    from rlhf_megatron.data.batch import TokenBatch
+
+    ones = torch.ones_like(tokens)
+    return TokenBatch(tokens, ones, ones.clone(), {})
+
+
 def _edit_json(path: Path, **changes) -> None:
     fields = json.loads(path.read_text())
     fields.update(changes)
