@@ -68,14 +68,20 @@ def _run_one(spec: CheckSpec, args: argparse.Namespace, work: Path, timeout_s: f
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     start = time.monotonic()
     with open(log_file, "w") as log:
+        # Its own process group (not session: a device machine ends the session's processes when
+        # the command returns), so a timeout kills the check and every process it started.
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+                                 process_group=0)
         try:
             returncode = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            returncode = None
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): leave nothing running
+            os.killpg(child.pid, signal.SIGKILL)
+            raise
+        if returncode is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-            returncode = None
     seconds = time.monotonic() - start
     if result_file.exists():
         record = json.loads(result_file.read_text())
@@ -170,6 +176,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through _run_one, which kills the running check
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.run_check:
@@ -182,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec.name:<20} {'cuda only' if spec.cuda_only else 'cpu or cuda':<12} "
                   f"{spec.doc}")
         return 0
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     out = Path(args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
                             else "gpu_check.json"))
     started = time.monotonic()

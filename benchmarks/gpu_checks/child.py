@@ -94,6 +94,17 @@ class CheckContext:
             raise NeedsCuda(f"{what} needs cuda")
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this check if the runner dies (best effort; elsewhere a no-op)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _inject(name: str, planted: str | None) -> None:
     """The failures the CI test plants: 'name' raises here, 'name=hang' never returns."""
     for item in (planted or "").split(","):
@@ -109,6 +120,7 @@ def run_in_child(name: str, result_file: Path, work_dir: Path, *, small: bool,
     """Run check `name`; always write a result file. Returns the exit code (0 unless failed)."""
     from gpu_checks import CHECKS
 
+    _die_with_parent()
     refuse_imports()
     warnings.filterwarnings("ignore")
     spec = next(c for c in CHECKS if c.name == name)

@@ -83,31 +83,31 @@ def check_update(ctx: CheckContext) -> None:
 
 def _check_sgd(ctx: CheckContext, hf_dir: Path, dtype: str, batch: Any, lr: float) -> None:
     """Defect A: SGD with the default settings (use_distributed_optimizer=True) must either build
-    without the distributed optimizer or be refused with a one-line ConfigError; SGD with
-    use_distributed_optimizer=False must build and update."""
+    without the distributed optimizer or be refused with a one-line ConfigError; either way an
+    SGD engine without the distributed optimizer must build and update."""
     from rlhf_megatron.errors import ConfigError
 
+    engine = None
     with ctx.part("sgd with default settings builds or is refused cleanly"):
         try:
             engine = build_actor(hf_dir, dtype=dtype, micro_batch_size=2, name="sgd", lr=lr)
         except ConfigError as exc:
-            ctx.metric("sgd_default", f"refused: {exc}")
+            ctx.metric("sgd_default", f"refused: {exc}", summary=True)
             ctx.require("sgd refusal is one line", "\n" not in str(exc).strip(), exc)
         else:
             kinds = _optimizer_kinds(engine)
             ctx.metric("sgd_default", f"built: {kinds}", summary=True)
             ctx.require("sgd default: not the distributed optimizer",
                         "DistributedOptimizer" not in kinds, kinds)
-            engine = None
-            free_memory()
+            if "DistributedOptimizer" in kinds:
+                engine = None
     with ctx.part("sgd without the distributed optimizer updates"):
-        engine = build_actor(hf_dir, dtype=dtype, micro_batch_size=2, name="sgd", lr=lr,
-                             use_distributed_optimizer=False)
+        if engine is None:  # refused above: ask for the plain optimizer explicitly
+            engine = build_actor(hf_dir, dtype=dtype, micro_batch_size=2, name="sgd", lr=lr,
+                                 use_distributed_optimizer=False)
         grad_norm = policy_step(engine, batch)["grad_norm"]
         ctx.metric("sgd_grad_norm", grad_norm)
         ctx.require("sgd update finite", math.isfinite(grad_norm) and grad_norm > 0, grad_norm)
-        engine = None
-        free_memory()
 
 
 def _state_copies(engine: Any) -> list[torch.Tensor]:

@@ -57,7 +57,8 @@ def _receive_one(handle: Any, repeats: int) -> dict[str, Any]:
     from rlhf_megatron.refit.transports import receive
 
     views = receive(handle)
-    expected = _known_bytes(handle.layout.nbytes, handle.layout.index, "cuda")
+    device = views[0][1].device.type
+    expected = _known_bytes(handle.layout.nbytes, handle.layout.index, device)
     equal = all(torch.equal(view.reshape(-1).view(torch.uint8),
                             expected[spec.offset : spec.offset + spec.nbytes])
                 for (_, view), spec in zip(views, handle.layout.specs))
@@ -120,8 +121,11 @@ def check_cuda_ipc(ctx: CheckContext) -> None:
             ctx.metric(f"plain_d2d_gbps_{mb}mb", round(reply["plain_gbps"], 1), summary=True)
             ctx.metric(f"ratio_{mb}mb", round(reply["received_gbps"] / reply["plain_gbps"], 3))
     finally:
-        ours.send(None)
-        receiver.join(timeout=30)
+        if receiver.is_alive():
+            ours.send(None)
+            receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
         transport.close()  # also hands the cached buffer back (empty_cache)
 
 
