@@ -199,6 +199,10 @@ class TrainerSection:
     val_before_train: bool = False
     seed: int = 1
     """Seeds sampling (per step) and the engines."""
+    dump_batch_steps: list[int] = field(default_factory=list)
+    """Diagnosis and tests: after the advantages of these steps, write the step's batch (token
+    ids, masks, log-probs, values, token-level rewards, advantages, returns, sequence scores) to
+    `<run_dir>/batches/step_<N>.pt` (`torch.load` reads it)."""
 
 
 @dataclass

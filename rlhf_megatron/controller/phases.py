@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from rlhf_megatron.controller.worker_group import concat_rows, wait_all
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.prompts import PromptLoader, PromptRow
 from rlhf_megatron.engines.actor import PolicyUpdateSettings
+from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rewards import RewardManager
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.metrics import rollout_logprob_diff
@@ -104,6 +106,7 @@ def generate(run: Run, prompts: Sequence[list[int]], sampling: SamplingSettings,
     lengths = batch.loss_mask.sum(-1).float()
     tokens = float(lengths.sum())
     return batch, {
+        "rollout/weight_version": float(_one_weight_version(results, names)),
         "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
         "batch/tokens": float(batch.attention_mask.sum()),
         "batch/sequences": float(len(batch)),
@@ -111,6 +114,15 @@ def generate(run: Run, prompts: Sequence[list[int]], sampling: SamplingSettings,
         "response/length_max": float(lengths.max()),
         "response/clip_ratio": sum(f == "length" for f in finish) / max(len(finish), 1),
     }
+
+
+def _one_weight_version(results: Sequence[Any], names: Sequence[str]) -> int:
+    """The weight version every engine reports it generated with; engines that disagree (one
+    missed a refit) end the run."""
+    versions = {name: result.weight_version for result, name in zip(results, names, strict=True)}
+    if len(set(versions.values())) != 1:
+        raise WorkerFailure(f"rollout engines generated with different weight versions {versions}")
+    return next(iter(versions.values()))
 
 
 def decode_responses(run: Run, batch: TokenBatch) -> list[str]:
@@ -183,7 +195,19 @@ def compute_advantages_phase(run: Run, batch: TokenBatch,
         cfg.advantage)
     metrics["advantages/mean"] = float(masked_mean(advantages, mask))
     metrics["returns/mean"] = float(masked_mean(returns, mask))
-    return batch.with_fields(advantages=advantages, returns=returns), metrics
+    return batch.with_fields(advantages=advantages, returns=returns,
+                             token_level_rewards=rewards), metrics
+
+
+def dump_batch(run: Run, step: int, batch: TokenBatch, scores: torch.Tensor) -> Path:
+    """trainer.dump_batch_steps: save the batch as the updates will see it, with the (bs,)
+    sequence scores, to <run_dir>/batches/step_<N>.pt."""
+    path = Path(run.cfg.trainer.run_dir) / "batches" / f"step_{step:08d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                "loss_mask": batch.loss_mask, "fields": dict(batch.fields),
+                "scores": scores.float()}, path)
+    return path
 
 
 def _mini_batches(run: Run, batch: TokenBatch) -> list[TokenBatch]:
@@ -229,27 +253,41 @@ def refit(run: Run, version: int) -> dict[str, float]:
         groups.rollout.call("wake_up", ["weights"])
     stats = groups.actor.call("refit", list(groups.rollout.handles), version,
                               run.cfg.rollout.bucket_mb * 2**20, run.cfg.rollout.refit_transport)
-    run.weight_version = version
     sender = stats[0]
-    return {"refit/seconds": sender["seconds"], "refit/bytes": float(sender["bytes"]),
-            "refit/buckets": float(sender["buckets"])}
+    if sender["version"] != version:  # what vLLM reports after finish_weight_update
+        raise WorkerFailure(f"refit to version {version}: the rollout engines report "
+                            f"{sender['version']}")
+    run.weight_version = sender["version"]
+    # Every pipeline stage's sender sends its own layers: bytes and buckets add up over ranks.
+    return {"refit/seconds": max(s["seconds"] for s in stats),
+            "refit/bytes": float(sum(s["bytes"] for s in stats)),
+            "refit/buckets": float(sum(s["buckets"] for s in stats))}
 
 
-def before_generate(run: Run) -> None:
+def before_generate(run: Run) -> dict[str, float]:
     """Hybrid layout: free the actor's device memory for vLLM (when configured), then give vLLM
-    its KV cache back."""
+    its KV cache back. Offload metrics are sums over the actor's ranks: `actor/offload_bytes`
+    moved out, `actor/offload_freed_bytes` the drop in resident memory (device memory on GPU,
+    RSS on CPU)."""
+    metrics: dict[str, float] = {}
     if run.cfg.actor.offload_during_rollout:
-        run.groups.actor.call("offload")
+        ranks = run.groups.actor.call("offload")
+        metrics["actor/offload_bytes"] = float(sum(r["bytes"] for r in ranks))
+        metrics["actor/offload_freed_bytes"] = float(sum(r["freed"] for r in ranks))
     if run.cfg.resources.mode == "colocated":
         run.groups.rollout.call("wake_up", ["kv_cache"])
+    return metrics
 
 
-def after_generate(run: Run) -> None:
-    """Hybrid layout: vLLM sleeps (KV cache freed) while the engines train."""
+def after_generate(run: Run) -> dict[str, float]:
+    """Hybrid layout: vLLM sleeps (KV cache freed) while the engines train; the actor comes back
+    (`actor/onload_restored_bytes`: the rise in resident memory, summed over ranks)."""
     if run.cfg.resources.mode == "colocated":
         run.groups.rollout.call("sleep")
     if run.cfg.actor.offload_during_rollout:
-        run.groups.actor.call("onload")
+        ranks = run.groups.actor.call("onload")
+        return {"actor/onload_restored_bytes": float(sum(r["restored"] for r in ranks))}
+    return {}
 
 
 def validate(run: Run, seed: int) -> dict[str, float]:
@@ -258,7 +296,9 @@ def validate(run: Run, seed: int) -> dict[str, float]:
         return {}
     rows = [row for row, _ in run.val_items]
     prompts = [ids for _, ids in run.val_items]
+    before_generate(run)  # vLLM's KV cache is asleep after a refit in the hybrid layout
     batch, gen = generate(run, prompts, run.cfg.rollout.val_sampling, seed)
+    after_generate(run)
     scores = score_async(run, batch, rows).result()
     return {"val/reward/mean": float(scores.mean()),
             "val/response/length_mean": gen["response/length_mean"]}

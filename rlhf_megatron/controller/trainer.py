@@ -30,9 +30,9 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
 
         with timer.phase("generate"):
             rows, prompts = phases.next_prompts(run)
-            phases.before_generate(run)
+            metrics.update(phases.before_generate(run))
             batch, m = phases.generate(run, prompts, cfg.rollout.sampling, seed)
-            phases.after_generate(run)
+            metrics.update(phases.after_generate(run))
             metrics.update(m)
         scores = phases.score_async(run, batch, rows)
 
@@ -44,6 +44,8 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
         with timer.phase("advantages"):
             batch, m = phases.compute_advantages_phase(run, batch, sequence_rewards)
             metrics.update(m)
+        if step in trainer.dump_batch_steps:
+            phases.dump_batch(run, step, batch, sequence_rewards)
 
         if run.groups.critic is not None:
             with timer.phase("critic_update"):

@@ -47,6 +47,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def resident_bytes() -> int:
+    """What offload frees: allocated device memory on GPU, the process's RSS on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.memory_allocated())
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
 class MegatronWorker:
     """Rank `rank` of `world_size`; `setup` joins the group and builds the engines."""
 
@@ -148,11 +157,17 @@ class MegatronWorker:
         return {"seconds": stats.seconds, "bytes": stats.bytes_sent, "buckets": stats.buckets,
                 "version": stats.version, **{f"phase/{k}": v for k, v in stats.phases.items()}}
 
-    def offload(self) -> int:
-        return self.engine.offload()
+    def offload(self) -> dict[str, int]:
+        """{'bytes': moved out, 'freed': the drop in resident memory} (see resident_bytes)."""
+        before = resident_bytes()
+        moved = self.engine.offload()
+        return {"bytes": moved, "freed": before - resident_bytes()}
 
-    def onload(self) -> None:
+    def onload(self) -> dict[str, int]:
+        """{'restored': the rise in resident memory}."""
+        before = resident_bytes()
         self.engine.onload()
+        return {"restored": resident_bytes() - before}
 
     def save_checkpoint(self, directory: str, step: int) -> str:
         return str(self.engine.save_checkpoint(Path(directory), step=step))

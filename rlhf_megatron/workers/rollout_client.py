@@ -51,6 +51,9 @@ class RayRolloutFanout:
         import ray
 
         versions = ray.get([h.finish_weight_update.remote(version) for h in self.handles])
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"rollout engines report weight versions {versions} after a refit "
+                               f"to version {version}")
         return versions[0]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -43,10 +44,15 @@ def train_command(overrides: list[str], config: Path = CONFIG) -> list[str]:
     return [sys.executable, "-m", "rlhf_megatron", "train", "--config", str(config), *overrides]
 
 
-def run_train(overrides: list[str], *, timeout: float = 300,
-              config: Path = CONFIG) -> subprocess.CompletedProcess:
+def run_train(overrides: list[str], *, timeout: float = 300, config: Path = CONFIG,
+              head: RayHead | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess; with `head`, the run joins that Ray cluster."""
+    env = _env()
+    if head is not None:
+        overrides = [*overrides, f"ray.address={head.address}"]
+        env.update(head.auth_env)
     return subprocess.run(train_command(overrides, config), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=_env())
+                          text=True, timeout=timeout, env=env)
 
 
 def start_train(overrides: list[str], log: Path) -> subprocess.Popen:
@@ -100,3 +106,45 @@ def kill_hard(process: subprocess.Popen) -> None:
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+# ---------------------------------------------------------------------------- one Ray cluster, many runs
+_HEAD_SCRIPT = """
+import sys, ray
+context = ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
+                   configure_logging=False)
+print("ADDRESS", context.address_info["gcs_address"], flush=True)
+sys.stdin.read()  # until the test module closes our stdin
+ray.shutdown()
+"""
+
+
+class RayHead:
+    """A local Ray cluster in a child process, shared by the runs of one test module: each run
+    joins it (`ray.address=...`) instead of starting and stopping a cluster of its own, which
+    costs 5-15 s a run on 2 busy cores. `stop()` ends it (and every worker still on it)."""
+
+    def __init__(self, num_cpus: int = 4, timeout: float = 180) -> None:
+        # Token auth with a token of our own: the drivers that join need the same one.
+        self.auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _HEAD_SCRIPT, str(num_cpus)], cwd=REPO,
+            env={**_env(), **self.auth_env},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        line = ""
+        while not line.startswith("ADDRESS "):
+            line = self.process.stdout.readline()
+            if (not line and self.process.poll() is not None) or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError("the shared Ray head did not start")
+        self.address = line.split()[1]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
