@@ -37,6 +37,9 @@ CHECKS = (
               "fp32 actor log-probs and entropy vs HF transformers (TF32 off), +- packing"),
     CheckSpec("parity_bf16", "parity:check_parity_bf16", True, 120, 90,
               "bf16 actor log-probs vs HF fp32, against HF-bf16 vs HF-fp32"),
+    CheckSpec("attention", "parity:check_attention", True, 60, 60,
+              "SDPA core attention vs Megatron's unfused math (fp32, bf16), fused kernels "
+              "used, time and peak memory of one long call"),
     CheckSpec("throughput_1b", "throughput:check_throughput", True, 240, 120,
               "update and log-prob tok/s, MFU and peak memory at ~1B vs HF transformers (SDPA)"),
     CheckSpec("cuda_ipc", "transfer:check_cuda_ipc", True, 90, 60,

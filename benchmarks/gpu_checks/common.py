@@ -145,6 +145,13 @@ def build_actor(hf_dir: Path, *, dtype: str = "fp32", micro_batch_size: int = 2,
     return ActorEngine(config, hf_dir=hf_dir, dims=dims)
 
 
+def attention_backend_of(engine: Any) -> str:
+    """The core attention the engine's model runs: 'te', 'sdpa' or 'unfused' (models/builder)."""
+    from rlhf_megatron.engines.base import unwrap
+
+    return str(getattr(unwrap(engine.chunks[0]), "attention_backend", "unknown"))
+
+
 def free_memory() -> None:
     """Collect dropped engines and hand their cached device memory back (callers first drop
     their own references: `engine = None`)."""

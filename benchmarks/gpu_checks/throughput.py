@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from gpu_checks.child import CheckContext
-from gpu_checks.common import build_actor, make_batch, median_seconds, model_dir, run_spawned
+from gpu_checks.common import (
+    attention_backend_of,
+    build_actor,
+    make_batch,
+    median_seconds,
+    model_dir,
+    run_spawned,
+)
 
 PEAK_TFLOPS = 989.0
 TARGET_UPDATE_RATIO = 1.0
@@ -114,6 +121,7 @@ def megatron_side(hf_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
     dtype = "bf16" if torch.cuda.is_available() else "fp32"
     engine = build_actor(Path(hf_dir), dtype=dtype, micro_batch_size=plan["micro"], lr=1e-6)
     batch = make_batch(plan["rows"], plan["seq"], vocab_of(Path(hf_dir)), seed=8, ragged=False)
+    backend = attention_backend_of(engine)
     old = engine.compute_logprobs(batch)["logprobs"]
     update_batch = batch.with_fields(old_logprobs=old)
     _reset_peak()
@@ -123,7 +131,7 @@ def megatron_side(hf_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
     update_s = median_seconds(lambda: engine.update_policy(update_batch, PolicyUpdateSettings()),
                               plan["repeats"])
     return {"logprob_s": logprob_s, "update_s": update_s, "logprob_peak": logprob_peak,
-            "update_peak": _peak()}
+            "update_peak": _peak(), "attention_backend": backend}
 
 
 def _measured_peak(work_dir: Path) -> float | None:
@@ -144,6 +152,7 @@ def check_throughput(ctx: CheckContext) -> None:
     measured = _measured_peak(ctx.work_dir)
     ctx.metric("params_b", params / 1e9)
     ctx.metric("tokens_per_batch", tokens)
+    ctx.metric("megatron_attention_backend", mg["attention_backend"], summary=True)
     for kind, flops_per_token in (("update", 6 * params), ("logprob", 2 * params)):
         for side, result in (("megatron", mg), ("hf", hf)):
             tps = tokens / result[f"{kind}_s"]
