@@ -68,11 +68,14 @@ def _same_sites(before: list, after: list) -> bool:
 def shims():
     """`shims(skip=...)` applies the CPU shims to this process; all are removed at teardown.
 
-    Skips when an earlier test in this process left shims applied without a handle: the
-    apply/remove and necessity checks need an unpatched process.
+    Fails when an earlier test in this process left shims applied (a leak: something applied them
+    and never called the handle's `remove()`); the apply/remove and necessity checks need an
+    unpatched process, and skipping would hide the leak.
     """
-    if _patched_shims():
-        pytest.skip(f"CPU shims {sorted(_patched_shims())} already applied in this process")
+    leaked = sorted(_patched_shims())
+    if leaked:
+        pytest.fail(f"CPU shims {leaked} were left applied in this process by an earlier test: "
+                    "every apply_cpu_compat / initialize_layout in-process must be undone")
     handles = []
 
     def apply(platform: Platform = CPU, skip=()):
