@@ -6,7 +6,8 @@ figures, in one prepared script that finishes in under 5 minutes on one H200.
 Each check runs in its own process (one torch.distributed rank, world size 1) with its own
 timeout; a failure is recorded with its traceback and the run goes on. The script prints a summary
 table, writes a JSON report (--out; default $OUT/gpu_check.json if $OUT is set, else
-./gpu_check.json) and exits 1 if any check failed or timed out.
+./gpu_check.json) and exits 1 if any check failed or timed out, 2 if none did but the budget
+left some unrun (`skipped-budget`), else 0.
 
 --small uses tiny models (seconds per check) and runs on a CPU-only machine: the checks that need
 CUDA are reported as "skipped-needs-cuda", the others run for real (CI runs this mode). Nothing
@@ -56,7 +57,7 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 
 def _run_one(spec: CheckSpec, args: argparse.Namespace, work: Path, timeout_s: float) -> dict:
-    """Run one check in a child process (a fresh session, killed as a group on timeout); the
+    """Run one check in a child process (its own process group, killed whole on timeout); the
     child is rank 0 of a world of 1 (gpu_checks.common.init_single_rank)."""
     result_file, log_file = work / f"{spec.name}.result.json", work / f"{spec.name}.log"
     command = [sys.executable, str(Path(__file__).resolve()), "--run-check", spec.name,
@@ -129,8 +130,9 @@ def run_checks(args: argparse.Namespace) -> dict:
             print(f"[gpu_check] {spec.name}: {record['status']} in {record['seconds']:.1f} s",
                   flush=True)
     failed = [r["name"] for r in records if r["status"] in FAILED_STATUSES]
+    skipped = [r["name"] for r in records if r["status"] == "skipped-budget"]
     return {"mode": "small" if args.small else "full", "cuda": cuda, "checks": records,
-            "failed": failed, "passed": not failed,
+            "failed": failed, "passed": not failed, "skipped_budget": skipped,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "budget_s": args.budget_s}
 
 
@@ -154,7 +156,13 @@ def print_table(report: dict) -> None:
     for record in report["checks"]:
         print(f"{record['name']:<20} {record['status']:<19} {record['seconds']:>6.1f}  "
               f"{_summary_line(record)}")
+    for record in report["checks"]:  # the cause, without opening the JSON
+        if record["status"] in FAILED_STATUSES:
+            lines = (record.get("error") or record.get("log_tail") or "").strip().splitlines()
+            print(f"\n--- {record['name']}: {record['status']} ---\n" + "\n".join(lines[-15:]))
     print(f"\n{'PASSED' if report['passed'] else 'FAILED: ' + ', '.join(report['failed'])}")
+    if report["skipped_budget"]:
+        print(f"INCOMPLETE (budget): rerun with --only {','.join(report['skipped_budget'])}")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=2, default=str))
     print_table(report)
     print(f"report: {out} ({report['total_s']:.0f} s)")
-    return 0 if report["passed"] else 1
+    return 1 if not report["passed"] else 2 if report["skipped_budget"] else 0
 
 
 if __name__ == "__main__":
