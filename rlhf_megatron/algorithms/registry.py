@@ -53,6 +53,13 @@ class Registry(Generic[F]):
         except KeyError:
             raise UnknownNameError(self.kind, name, self._table) from None
 
+    def unregister(self, name: str) -> None:
+        """Remove one name (a plugin or a test that registered temporarily); other aliases of the
+        same function stay. Raises ``UnknownNameError`` for a name that is not registered."""
+        if name not in self._table:
+            raise UnknownNameError(self.kind, name, self._table)
+        del self._table[name]
+
     def names(self) -> tuple[str, ...]:
         """All registered names (aliases included), sorted."""
         return tuple(sorted(self._table))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -94,20 +95,84 @@ def test_registry_rejects_a_second_function_under_a_taken_name() -> None:
     assert "a" in reg and len(reg) == 2 and list(reg) == ["a", "alias"]
 
 
-def test_custom_estimator_plugs_in_through_the_registry() -> None:
-    """A new estimator needs no trainer change: same signature, found by name."""
+CUSTOM = "test_score_plus_one"
+
+
+@pytest.fixture
+def custom_estimator():
+    """'score + 1 on every response token', registered in the real ADVANTAGE_ESTIMATORS for
+    the test and removed afterwards."""
     import torch
 
-    reg: Registry = Registry("advantage estimator")
+    @ADVANTAGE_ESTIMATORS.register(CUSTOM)
+    def score_plus_one(inputs: alg.AdvantageInputs, config: alg.AdvantageConfig):
+        mask = inputs.response_mask.float()
+        score = (inputs.token_level_rewards * mask).sum(dim=-1, keepdim=True)
+        advantages = (score + 1.0) * mask
+        return advantages, torch.zeros_like(advantages)
 
-    @reg.register("constant")
-    def constant(inputs: alg.AdvantageInputs, config: alg.AdvantageConfig):
-        adv = inputs.response_mask.float()
-        return adv, adv
+    try:
+        yield score_plus_one
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister(CUSTOM)
+    assert CUSTOM not in ADVANTAGE_ESTIMATORS
 
-    inputs = alg.AdvantageInputs(torch.zeros(2, 3), torch.tensor([[1, 1, 0], [1, 0, 0]]))
-    adv, _ = reg.get("constant")(inputs, alg.AdvantageConfig())
-    assert adv.sum().item() == 3
+
+def test_custom_estimator_plugs_in_through_the_registry(custom_estimator) -> None:
+    """A new estimator needs no trainer change: registered by name, it passes validate_config
+    and the controller's advantage phase calls it (rewards placed at the last real token)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf_megatron.config import load_config, validate_config
+    from rlhf_megatron.controller.phases import compute_advantages_phase
+    from rlhf_megatron.data.batch import TokenBatch
+    from rlhf_megatron.errors import ConfigError
+
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0]])
+    inputs = alg.AdvantageInputs(torch.tensor([[0.0, 0.0, 2.0, 0.0], [0.0, 3.0, 0.0, 0.0]]), mask)
+    advantages, _ = alg.compute_advantages(CUSTOM, inputs)
+    assert advantages.tolist() == [[0.0, 3.0, 3.0, 0.0], [0.0, 4.0, 0.0, 0.0]]
+
+    cfg = load_config(REPO_ROOT / "configs" / "quickstart_cpu.yaml",
+                      [f"algorithm.advantage_estimator={CUSTOM}"])
+    assert cfg.estimator == CUSTOM
+    validate_config(cfg, check_paths=False)
+
+    # The controller's advantage phase: sequence scores -> last response token -> estimator.
+    ids = torch.arange(1, 13).reshape(3, 4)
+    attention = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
+    loss_mask = attention * torch.tensor([0, 1, 1, 1])
+    batch = TokenBatch(ids * attention, attention, loss_mask,
+                       {"prompt_index": torch.tensor([0, 0, 1])})
+    run = SimpleNamespace(cfg=dataclasses.replace(
+        cfg, algorithm=dataclasses.replace(cfg.algorithm, kl_mode="none")))
+    out, metrics = compute_advantages_phase(run, batch, torch.tensor([1.0, 0.0, 0.5]))
+    expected = torch.tensor([[0, 2, 2, 2], [0, 1, 1, 0], [0, 1.5, 0, 0]])
+    assert torch.equal(out.fields["advantages"], expected)
+    assert torch.equal(out.fields["returns"], torch.zeros(3, 4))
+
+    # Unregistered, the same config is refused with the field named.
+    ADVANTAGE_ESTIMATORS.unregister(CUSTOM)
+    try:
+        with pytest.raises(ConfigError, match="algorithm.advantage_estimator"):
+            validate_config(cfg, check_paths=False)
+    finally:
+        ADVANTAGE_ESTIMATORS.register(CUSTOM)(custom_estimator)
+
+
+def test_unregister_removes_one_name_and_refuses_unknown_names() -> None:
+    reg: Registry = Registry("thing")
+
+    @reg.register("a", "alias")
+    def first() -> int:
+        return 1
+
+    reg.unregister("alias")
+    assert list(reg) == ["a"]
+    with pytest.raises(UnknownNameError, match="a"):
+        reg.unregister("alias")
 
 
 def test_importing_algorithms_pulls_in_no_heavy_framework() -> None:
