@@ -91,7 +91,9 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
     """Worst pipeline stage of a Megatron role; frozen roles keep weights only."""
     layout, engine, shape = role.layout, role.engine, role.shape
     opt = engine.optimizer
-    shards = layout.dp * layout.cp if opt.use_distributed_optimizer else 1
+    # As engines/config.py distributed_optimizer_enabled on GPUs: Megatron's supports Adam only.
+    distributed = opt.use_distributed_optimizer and opt.name == "adam"
+    shards = layout.dp * layout.cp if distributed else 1
     act_bytes = train_dtype_bytes(engine.dtype)
     tokens = tokens_per_micro_batch(cfg, engine) / layout.cp
     columns = 0 if role.value_head else pad_vocab_size(shape.vocab, layout.tp) // layout.tp

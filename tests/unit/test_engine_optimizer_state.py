@@ -130,3 +130,22 @@ def test_initialised_adam_state_is_complete_and_existing_state_is_kept():
     state["exp_avg"].fill_(3.0)
     init_torch_optimizer_state(optimizer)
     assert torch.all(optimizer.state[params[0]]["exp_avg"] == 3.0)
+
+
+def test_planner_does_not_shard_sgd_state_over_dp(monkeypatch):
+    """The planner counts optimizer state as the engine builds it: SGD is never sharded."""
+    from pathlib import Path
+
+    from rlhf_megatron.config import load_config
+    from rlhf_megatron.planner import Cluster, plan_config
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+
+    def actor_bytes(*overrides: str) -> float:
+        cfg = load_config("configs/qwen2.5-32b_grpo_2x8.yaml", [
+            "actor.engine.optimizer.name=sgd", "actor.engine.optimizer.sgd_momentum=0.9",
+            "actor.layout.tp=4", "actor.layout.dp=2", *overrides])
+        return plan_config(cfg, Cluster(2, 8, 80)).roles["actor"].total
+
+    assert actor_bytes("actor.engine.optimizer.use_distributed_optimizer=true") == actor_bytes(
+        "actor.engine.optimizer.use_distributed_optimizer=false")
