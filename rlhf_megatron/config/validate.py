@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,
@@ -140,16 +141,22 @@ def _check_trainer(cfg: TrainConfig) -> None:
 
 def _check_paths(cfg: TrainConfig) -> None:
     if not cfg.model.path:
-        raise ConfigError("model.path must name an HF checkpoint directory")
+        raise ConfigError("model.path must name an HF checkpoint directory or a Megatron "
+                          "checkpoint")
+    critic = (cfg.critic.path or cfg.model.path) if cfg.uses_critic else None
     paths = [("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
-             ("critic.path", cfg.critic.path if cfg.uses_critic else None),
-             ("reward_model.path", cfg.reward_model.path)]
+             ("critic.path", critic), ("reward_model.path", cfg.reward_model.path)]
     for key, value in paths:
         if value is not None and not Path(value).is_dir():
             raise ConfigError(f"{key}={value}: no such directory")
-    if not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.model.path}: config.json is missing (not an HF "
-                          "checkpoint)")
+    if not (hf_assets_dir(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path}: config.json is missing (neither an HF "
+                          "checkpoint nor a Megatron checkpoint with hf_assets/config.json)")
+    for key, value in paths[2:]:
+        if value is not None and is_megatron_checkpoint(value):
+            raise ConfigError(f"{key}={value} is a Megatron checkpoint; critic and reward model "
+                              "start from an HF directory (critic.path defaults to model.path; "
+                              "export one with rlhf-convert mcore-to-hf)")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give at least one .jsonl/.parquet file")
     for key in ("train_files", "val_files"):
@@ -164,7 +171,7 @@ def model_hf_config(cfg: TrainConfig, *, check_paths: bool = True) -> Any | None
     if cfg.model.config_json:
         candidates.append(Path(cfg.model.config_json))
     if cfg.model.path:
-        candidates.append(Path(cfg.model.path) / "config.json")
+        candidates.append(hf_assets_dir(cfg.model.path) / "config.json")
     for path in candidates:
         if path.is_file():
             try:

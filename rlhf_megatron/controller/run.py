@@ -1,7 +1,8 @@
 """`train(cfg)`: everything around the loop, in order.
 
     validate the config -> run dir -> prompts (tokenised up front) -> rewards -> Ray and pools ->
-    worker groups -> resume -> the loop -> plot -> tear down
+    worker groups -> resume (or, from a Megatron checkpoint, a first refit) -> the loop -> plot ->
+    tear down
 Every user error surfaces before Ray starts where it can (bad config, missing dataset field, a
 custom reward that does not load); a worker that dies mid-run ends it with a WorkerFailure
 naming the worker.
@@ -14,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.algorithms import build_kl_controller
 from rlhf_megatron.config import TrainConfig, config_to_dict, save_config, validate_config
+from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 from rlhf_megatron.controller.metrics import build_metrics_logger
 from rlhf_megatron.controller.phases import Run
@@ -58,7 +61,8 @@ def train(cfg: TrainConfig) -> Path:
     store.cleanup_stale()
     resume_from = store.resolve_resume(cfg.trainer.resume)
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path
+                                              or hf_assets_dir(cfg.model.path))
     train_items = load_prompts(cfg, tokenizer, cfg.data.train_files)
     val_items = (load_prompts(cfg, tokenizer, cfg.data.val_files, cfg.data.val_max_prompts)
                  if cfg.data.val_files else [])
@@ -83,6 +87,10 @@ def train(cfg: TrainConfig) -> Path:
         if resume_from is not None:
             start_step = restore_checkpoint(run, store, resume_from)
             _say(f"resumed from {resume_from} at step {start_step}")
+        elif is_megatron_checkpoint(cfg.model.path):
+            # vLLM started on placeholder weights (a dist-checkpoint has no HF weights).
+            phases.refit(run, version=0)
+            _say(f"rollout weights sent from the actor (loaded from {cfg.model.path})")
         logger = build_metrics_logger(
             run_dir, console=cfg.metrics.console, tensorboard=cfg.metrics.tensorboard,
             wandb_project=cfg.metrics.wandb_project, run_name=cfg.trainer.run_name or run_dir.name,

@@ -50,15 +50,20 @@ def _load_on_gpu_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor
 
 
 class VllmRolloutEngine:
-    """One vLLM engine over an HF checkpoint directory."""
+    """One vLLM engine over an HF checkpoint directory, or over a Megatron dist-checkpoint
+    (converted or trained): vLLM then starts from the checkpoint's saved HF config and tokenizer
+    (`hf_assets/`) with placeholder weights, and generation is refused until the first weight
+    update has brought the real ones (the trainer refits before step 1)."""
 
     def __init__(self, hf_dir: str | Path, config: RolloutConfig) -> None:
+        from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
         from rlhf_megatron.models.hf_checkpoint import load_hf_config
 
         self.platform = current_platform()
         self.config = config
-        self.hf_dir = Path(hf_dir)
+        self.hf_dir = hf_assets_dir(hf_dir)
         self.hf_config = load_hf_config(self.hf_dir)
+        self.awaiting_weights = is_megatron_checkpoint(hf_dir)
         config.validate_for_model(self.hf_config, on_cpu=not self.platform.is_cuda)
         self.weight_version = 0
         self._updating = False
@@ -76,6 +81,8 @@ class VllmRolloutEngine:
             tensor_parallel_size=self.config.tensor_parallel_size,
             enforce_eager=not self.platform.is_cuda, **self.config.extra_engine_args,
         )
+        if self.awaiting_weights:
+            kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
         if self.platform.is_cuda:
             kwargs.update(gpu_memory_utilization=self.config.gpu_memory_utilization,
                           enable_sleep_mode=self.config.enable_sleep_mode)
@@ -158,6 +165,7 @@ class VllmRolloutEngine:
             self.llm.reset_prefix_cache()
         self.weight_version = version
         self._updating = False
+        self.awaiting_weights = False
         return self.weight_version
 
     def sleep(self) -> None:
@@ -175,6 +183,9 @@ class VllmRolloutEngine:
             self._asleep -= wanted
 
     def _check_ready(self) -> None:
+        if self.awaiting_weights:
+            raise RuntimeError("the rollout engine started from a Megatron checkpoint holds "
+                               "placeholder weights until the first weight update")
         if self._updating:
             raise RuntimeError("the rollout engine is paused for a weight update")
         if self._asleep:

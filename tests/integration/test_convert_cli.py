@@ -116,6 +116,10 @@ def test_bf16_gqa3_tied_round_trip_keeps_dtype_and_is_bit_exact_by_default(tmp_p
     hf_dir = write_tiny_hf_checkpoint(
         tmp_path / "hf", "Qwen3ForCausalLM", tie_word_embeddings=True, dtype=torch.bfloat16,
         num_attention_heads=6, num_key_value_heads=2, head_dim=32)  # GQA ratio 3
+    # Written as transformers < 5 does (`torch_dtype`), compactly: kept byte for byte.
+    fields = json.loads((hf_dir / "config.json").read_text())
+    fields["torch_dtype"] = fields.pop("dtype")
+    (hf_dir / "config.json").write_text(json.dumps(fields))
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     assert main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(ckpt), "--quiet"]) == 0
     assert json.loads((ckpt / METADATA_FILE).read_text())["dtype"] == "bf16"

@@ -111,3 +111,23 @@ def test_colocated_and_split_plans() -> None:
         "resources.mode=split", "resources.devices_per_node=5", "algorithm.name=ppo",
         "critic.layout.dp=2"])
     assert plan_devices(split).pools == {"actor": 2, "rollout": 1, "critic": 2}
+
+
+def test_a_megatron_checkpoint_is_a_model_path_but_not_a_critic_path(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "step_00000002" / "actor"
+    (checkpoint / "hf_assets").mkdir(parents=True)
+    (checkpoint / "rlhf_megatron_checkpoint.json").write_text("{}")
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    overrides = _valid(**{"model.path": str(checkpoint), "data.train_files": f"[{train}]"})
+    with pytest.raises(ConfigError, match="config.json is missing"):
+        validate_config(load_config(None, overrides))
+    (checkpoint / "hf_assets" / "config.json").write_text(
+        '{"num_attention_heads": 6, "num_key_value_heads": 2, "num_hidden_layers": 4, '
+        '"hidden_size": 192, "max_position_embeddings": 512}')
+    validate_config(load_config(None, overrides))
+    with pytest.raises(ConfigError, match="actor.layout: num_attention_heads=6"):  # read it
+        validate_config(load_config(None, [*overrides, "actor.layout.tp=4",
+                                           "resources.devices_per_node=4"]))
+    with pytest.raises(ConfigError, match=r"critic.path=.*actor is a Megatron checkpoint"):
+        validate_config(load_config(None, [*overrides, "algorithm.name=ppo"]))
