@@ -44,7 +44,8 @@ class LayoutSpec:
 @dataclass
 class ModelSection:
     path: str = ""
-    """HF checkpoint directory of the policy (config.json + safetensors + tokenizer)."""
+    """HF checkpoint directory of the policy (config.json + safetensors + tokenizer), or a Megatron
+    dist-checkpoint (`rlhf-convert hf-to-mcore` output or a run's checkpoints/step_N/actor)."""
     tokenizer_path: str | None = None
     """Tokenizer directory; defaults to `path`."""
     config_json: str | None = None
