@@ -3,8 +3,9 @@
 Two gloo jobs run every scenario twice, once with one shim left out and once with all shims:
 
 - a 1-rank job (TP1/PP1): rng_tracker (initialize_layout seeds the tracker), current_device (a
-  plain forward: RoPE), checkpoint_sync (dist_checkpointing.save), optimizer_devices (Megatron
-  DDP + optimizer with grad clipping). The all-shims runs also check numerics: the tracker's
+  plain forward of HF weights: RoPE; with all shims its logits must equal HF transformers'),
+  checkpoint_sync (dist_checkpointing.save), optimizer_devices (Megatron DDP + optimizer with
+  grad clipping). The all-shims runs also check numerics: the tracker's
   forked streams equal torch.manual_seed streams and leave the default stream alone; a checkpoint
   round trip restores the weights bit for bit; one clipped Megatron Adam step equals
   torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW on a copy of the same params and grads.
@@ -179,10 +180,31 @@ def _scenario_rng_tracker(skip: list[str]) -> dict:
 
 
 def _scenario_forward(skip: list[str]) -> dict:
-    """A plain TP1/PP1 forward (RoPE frequencies and attention buffers)."""
-    _, (model,) = _init_and_build(_one_rank_dims(), skip)
-    loss = _forward_loss(model, _batch(2))
-    return {"loss": loss.item()}
+    """A plain TP1/PP1 forward (RoPE frequencies and attention buffers) of HF weights, and
+    HF transformers' logits for the same weights and tokens."""
+    import transformers
+
+    from rlhf_megatron.models.hf_load import load_hf_into_model
+    from rlhf_megatron.testing.tiny_models import tiny_hf_config
+
+    args, (model,) = _init_and_build(_one_rank_dims(), skip)
+    torch.manual_seed(SEED)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, num_layers=2), dtype=torch.float32
+    )
+    with tempfile.TemporaryDirectory() as hf_dir:
+        hf_model.save_pretrained(hf_dir, safe_serialization=True)
+        load_hf_into_model([model], hf_dir, args)
+    tokens = _batch(2)[:, :-1]
+    positions = torch.arange(SEQ_LEN).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        logits = model(tokens, positions, None)[..., :VOCAB]
+        reference = hf_model(tokens).logits
+    return {
+        "loss": _forward_loss(model, _batch(2)).item(),
+        "max_logit_diff": (logits - reference).abs().max().item(),
+        "logit_scale": reference.abs().max().item(),
+    }
 
 
 def _scenario_checkpoint(skip: list[str]) -> dict:
@@ -448,10 +470,12 @@ def test_rng_tracker_streams_match_torch_manual_seed(one_rank_results):
     }
 
 
-def test_forward_runs_with_shims(one_rank_results):
+def test_forward_with_shims_equals_hf_logits(one_rank_results):
     value = _assert_ok(one_rank_results[("current_device", "all")], "forward")
-    # Random init over VOCAB tokens: the loss is near log(VOCAB), certainly finite.
-    assert math.isfinite(value["loss"]) and abs(value["loss"] - math.log(VOCAB)) < 2.0
+    assert math.isfinite(value["loss"])
+    # The shimmed RoPE and attention give HF's logits for the same weights (fp32).
+    assert value["logit_scale"] > 0.1, value  # the logits are not trivially small
+    assert value["max_logit_diff"] < 1e-5, value
 
 
 def test_checkpoint_round_trip_is_exact(one_rank_results):
