@@ -48,11 +48,18 @@ def free_port() -> int:
 
 
 def resident_bytes() -> int:
-    """What offload frees: allocated device memory on GPU, the process's RSS on CPU."""
+    """What offload frees: allocated device memory on GPU; on CPU the process's RSS once the
+    heap's free blocks are handed back to the OS (so garbage freed earlier does not count)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.memory_allocated())
+    import ctypes
+
     import psutil
 
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     return int(psutil.Process().memory_info().rss)
 
 

@@ -1,0 +1,59 @@
+"""GRPO learns: 40 steps of the quickstart (`make demo`'s config: 16 prompts x 16 samples, actor
+TP2, vLLM refit every step) raise the exact-match reward, with the actor offloaded during every
+rollout (`actor.offload_during_rollout`), which must free its memory and bring it back.
+
+Margin, measured over five trainer seeds on the demo's assets (quickstart prepare, seed 0), 40
+steps each with offload on, mean reward of steps 1-10 -> steps 31-40 (2-core machine, shared):
+
+    seed 1: 0.045 -> 0.098 (+0.052)    seed 2: 0.048 -> 0.082 (+0.034)
+    seed 3: 0.046 -> 0.093 (+0.047)    seed 4: 0.040 -> 0.073 (+0.034)
+    seed 5: 0.049 -> 0.090 (+0.041)
+
+A CPU run is deterministic, so seed 1 gives +0.052 every time; the seeds show how far a change
+in numerics or sampling can move it. MARGIN = 0.02 sits below the smallest rise (+0.034) and
+well above the noise of a policy that does not learn (one step's mean over 256 samples has a
+standard deviation of ~0.013 at p = 0.045, a 10-step window ~0.004).
+
+Offload, per step summed over the two ranks: bytes moved 0.92 MB at step 1 (params + grads),
+1.85 MB after (+ Adam's moments); resident memory (RSS after malloc_trim) dropped by 45% of that
+at step 1 and 87-94% after, and rose by 96-100% at onload.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from controller_harness import read_metrics, run_train, small_run_overrides
+
+from rlhf_megatron.quickstart import prepare
+
+STEPS = 40
+WINDOW = 10
+MARGIN = 0.02
+
+
+def test_grpo_learns_with_the_actor_offloaded_during_rollout(tmp_path: Path) -> None:
+    assets = prepare(tmp_path / "assets")
+    run_dir = tmp_path / "run"
+    overrides = small_run_overrides(assets, run_dir, **{
+        # The quickstart's own batch and micro-batch; small_run_overrides shrinks them.
+        "data.prompts_per_step": 16, "rollout.sampling.n": 16,
+        "actor.engine.micro_batch_size": 256, "trainer.total_steps": STEPS,
+        "trainer.val_every": 0, "trainer.seed": 1, "actor.offload_during_rollout": "true"})
+    result = run_train(overrides, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+
+    rewards = [r["reward/mean"] for r in records]
+    first = sum(rewards[:WINDOW]) / WINDOW
+    last = sum(rewards[-WINDOW:]) / WINDOW
+    assert last - first >= MARGIN, (first, last)
+
+    # Params + grads, plus Adam's two moments once the first update made them.
+    assert records[1]["actor/offload_bytes"] > 1.9 * records[0]["actor/offload_bytes"] > 0
+    for r in records:
+        moved = r["actor/offload_bytes"]
+        if r["step"] > 1:  # step 1's small tensors sit between live heap blocks (see above)
+            assert r["actor/offload_freed_bytes"] >= 0.7 * moved, r
+        assert r["actor/onload_restored_bytes"] >= 0.8 * moved, r
