@@ -108,19 +108,23 @@ def make_batch(rows: int, seq: int, vocab: int, *, seed: int = 0, ragged: bool =
 def init_single_rank() -> Any:
     """torch.distributed (world size 1; nccl on CUDA, gloo on CPU) and Megatron's groups.
 
-    The default group rendezvouses through an in-process store: no port to pick, so no port
-    race with other jobs on the machine."""
+    On CUDA through the project's own `initialize_distributed` (env rendezvous on a port picked
+    here, so its set_device/NCCL path is the one checked). On CPU, where other jobs share the
+    machine and took a picked port before it was bound, through an in-process store instead."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from rlhf_megatron.parallel import ParallelDims, initialize_layout
+    from rlhf_megatron.parallel import ParallelDims, initialize_distributed, initialize_layout
     from rlhf_megatron.platform import current_platform
 
     if not dist.is_initialized():
-        platform = current_platform()
-        if platform.is_cuda:
-            torch.cuda.set_device(platform.device())
-        dist.init_process_group(platform.backend, store=dist.HashStore(), rank=0, world_size=1)
+        if current_platform().is_cuda:
+            from rlhf_megatron.testing.multirank import find_free_port
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+            initialize_distributed()
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dims = ParallelDims(1)
     if not parallel_state.model_parallel_is_initialized():
         initialize_layout(dims)

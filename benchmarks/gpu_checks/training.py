@@ -130,6 +130,8 @@ def _rss() -> int:
 def check_offload(ctx: CheckContext) -> None:
     """Defect B: after engine.offload() (nothing else called) the device's free memory rises by
     >= 90% of the bytes offloaded (CPU: RSS drops by >= 50%); onload restores every byte."""
+    from rlhf_megatron.workers.megatron_worker import resident_bytes
+
     hf_dir, dtype, rows, seq, lr = _setup(ctx, "tiny_wide")
     batch = make_batch(rows, seq, vocab_of(hf_dir), seed=2)
     engine = build_actor(hf_dir, dtype=dtype, micro_batch_size=rows // 2, lr=lr)
@@ -137,6 +139,8 @@ def check_offload(ctx: CheckContext) -> None:
     before = _state_copies(engine)
     ctx.metric("state_tensors", len(before))
     sync()
+    # What the worker reports (allocated device memory on GPU, trimmed RSS on CPU), read first.
+    resident_before = resident_bytes()
     if ctx.cuda:
         free_before = torch.cuda.mem_get_info()[0]
         allocated_before = torch.cuda.memory_allocated()
@@ -154,6 +158,7 @@ def check_offload(ctx: CheckContext) -> None:
         criterion = "RSS drops >= 50% of the bytes offloaded"
         ratio_needed = 0.5
     ctx.metric("offloaded_gib", freed / 2**30, summary=True)
+    ctx.metric("worker_resident_drop_gib", (resident_before - resident_bytes()) / 2**30)
     ctx.metric("freed_gib", gained / 2**30, summary=True)
     ctx.metric("freed_ratio", gained / freed if freed else 0.0, summary=True)
     ctx.require("offload moved bytes", freed > 0, freed)
