@@ -193,5 +193,9 @@ def test_refit_into_vllm_matches_the_actor(tmp_path, tied, kind):
         state = {**per_rank[0][layout]["exported"], **per_rank[1][layout]["exported"]}
         assert result["greedy"] == _hf_greedy(hf_dir, state), layout
         stats = [rank[layout]["stats"] for rank in per_rank]
+        for rank in per_rank:  # each stage sender sent exactly its exported tensors, 64-aligned
+            sent, exported = rank[layout]["stats"], rank[layout]["exported"]
+            assert sent["tensors"] == len(exported), layout
+            assert sent["bytes_sent"] == sum(-(-t.nbytes // 64) * 64 for t in exported.values())
         assert sum(s["buckets"] for s in stats) >= 3  # the 200 kB bucket limit really split it
         assert max(s["max_bucket_bytes"] for s in stats) < 1_000_000
