@@ -1,0 +1,77 @@
+"""`verify`'s tolerance catches a mapping error, not only a different model.
+
+A tiny fp32 Llama is converted with `hf-to-mcore`; `verify` against the same HF files exits 0.
+Then the HF side gets the kind of damage a wrong mapping does, one tensor at a time: one layer's
+`k_proj` scaled by 1.001, or two query heads of one layer swapped. `verify` must exit 1 with
+MISMATCH, the reported logit difference above its tolerance. (Llama, not Qwen3: Qwen3's per-head
+k norm undoes a scaled k_proj, measured 1.7e-6.)
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_tools.__main__ import main
+from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
+
+HEAD_DIM = 32  # tiny_models: 4 query heads of 32
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("verify")
+    hf_dir = write_tiny_hf_checkpoint(root / "hf", "LlamaForCausalLM")
+    assert main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(root / "ckpt"), "--quiet"]) == 0
+    return hf_dir, root / "ckpt"
+
+
+def _scale_k_proj(weights: dict[str, torch.Tensor]) -> None:
+    weights["model.layers.1.self_attn.k_proj.weight"] *= 1.001
+
+
+def _swap_query_heads(weights: dict[str, torch.Tensor]) -> None:
+    q = weights["model.layers.2.self_attn.q_proj.weight"]
+    first, second = q[:HEAD_DIM].clone(), q[HEAD_DIM : 2 * HEAD_DIM].clone()
+    q[:HEAD_DIM], q[HEAD_DIM : 2 * HEAD_DIM] = second, first
+
+
+def _damaged_copy(hf_dir: Path, out: Path, damage) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, out)
+    weights = load_file(str(out / "model.safetensors"))
+    before = {name: t.clone() for name, t in weights.items()}
+    damage(weights)
+    changed = [name for name in weights if not torch.equal(weights[name], before[name])]
+    assert len(changed) == 1, changed  # exactly one tensor differs
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _verify(hf_dir: Path, ckpt: Path, capsys) -> tuple[int, float, float]:
+    capsys.readouterr()
+    code = main(["verify", "--hf", str(hf_dir), "--ckpt", str(ckpt)])
+    line = capsys.readouterr().out
+    found = re.search(r"max \|logit diff\| = (\S+) \(tolerance (\S+)\)", line)
+    assert found, line
+    return code, float(found.group(1)), float(found.group(2))
+
+
+def test_verify_passes_on_the_source_checkpoint(converted, capsys):
+    code, diff, tolerance = _verify(*converted, capsys)
+    assert code == 0 and diff <= tolerance
+
+
+@pytest.mark.parametrize("damage", [_scale_k_proj, _swap_query_heads],
+                         ids=["k_proj-x1.001", "two-q-heads-swapped"])
+def test_verify_exits_1_on_one_damaged_tensor(converted, tmp_path, capsys, damage):
+    hf_dir, ckpt = converted
+    damaged = _damaged_copy(hf_dir, tmp_path / "hf", damage)
+    code, diff, tolerance = _verify(damaged, ckpt, capsys)
+    assert code == 1, (diff, tolerance)
+    assert diff > tolerance
