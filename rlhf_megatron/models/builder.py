@@ -80,9 +80,6 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    rope_kwargs = {}
-    if args.rope_scaling_factor is not None:
-        rope_kwargs = {"rope_scaling": True, "rope_scaling_factor": args.rope_scaling_factor}
     backend = attention_backend(args)
     model = GPTModel(
         config=args.transformer_config,
@@ -96,8 +93,12 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(args.rotary_base),
         vp_stage=vp_stage,
-        **rope_kwargs,
     )
+    if args.rope_scaling is not None:
+        # Not GPTModel(rope_scaling=True): Megatron fixes the Llama 3.1 scaling's other values
+        # (see Llama3RopeScaling); the unscaled frequencies are rescaled with the config's own.
+        rope = model.rotary_pos_emb
+        rope.inv_freq = args.rope_scaling.scale(rope.inv_freq)
     model.attention_backend = backend  # what micro-batches must carry: see packs_by_cu_seqlens
     return model
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,9 +34,13 @@ class MegatronModelArgs:
     padded_vocab_size: int
     max_sequence_length: int
     rotary_base: float
-    rope_scaling_factor: float | None
+    rope_scaling: Llama3RopeScaling | None
     tie_word_embeddings: bool
     use_te_spec: bool
+
+    @property
+    def rope_scaling_factor(self) -> float | None:
+        return None if self.rope_scaling is None else self.rope_scaling.factor
 
 
 def pad_vocab_size(vocab_size: int, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:
@@ -58,19 +64,64 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def _rope_scaling_factor(params: dict[str, Any]) -> float | None:
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (HF `rope_type: "llama3"`), with the config's own values.
+
+    Megatron-Core 0.16.1's `GPTModel(rope_scaling=True, rope_scaling_factor=f)` takes only the
+    factor: its `RotaryEmbedding._apply_scaling` keeps low_freq_factor=1, high_freq_factor=4 and
+    original_max_position_embeddings=8192 fixed. So the builder applies this instead
+    (`build_gpt_model`), and every field of the HF config takes effect.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """(head_dim / 2,) inverse frequencies of plain RoPE -> the Llama 3.1 scaled ones.
+
+        Wavelengths 2*pi/f shorter than original/high_freq_factor stay; longer than
+        original/low_freq_factor are divided by `factor`; in between, f is interpolated between
+        f / factor and f by smooth = (original / wavelength - low) / (high - low)
+        (Meta's Llama 3.1 reference `apply_scaling`; HF `_compute_llama3_parameters`).
+        """
+        original = float(self.original_max_position_embeddings)
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (original / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        interpolated = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        scaled = torch.where(wavelength > original / self.low_freq_factor,
+                             inv_freq / self.factor, interpolated)
+        return torch.where(wavelength < original / self.high_freq_factor, inv_freq, scaled)
+
+
+def _rope_scaling(params: dict[str, Any]) -> Llama3RopeScaling | None:
     rope_type = params["rope_type"]
     if rope_type == "default":
         return None
-    # Megatron's RotaryEmbedding implements Llama 3.1 scaling with fixed low/high frequency
-    # factors 1 and 4 and an original context of 8192; other values cannot be reproduced.
-    llama3_fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}
-    if rope_type == "llama3" and all(
-        float(params.get(k, v)) == v for k, v in llama3_fixed.items()
-    ):
-        return float(params["factor"])
-    raise ConfigError(f"rope scaling {params!r} is unsupported (default or Llama 3.1 llama3 only)")
+    if rope_type != "llama3":
+        raise ConfigError(
+            f"rope scaling {params!r} is unsupported (default or Llama 3.1 llama3 only)"
+        )
+    for field in ("factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings"):
+        if params.get(field) is None:
+            raise ConfigError(f"llama3 rope scaling needs rope_scaling.{field}; got {params!r}")
+    scaling = Llama3RopeScaling(
+        float(params["factor"]), float(params["low_freq_factor"]),
+        float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]),
+    )
+    if scaling.factor <= 0 or scaling.original_max_position_embeddings <= 0:
+        raise ConfigError(f"llama3 rope scaling needs factor and original context > 0: {params!r}")
+    if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+        raise ConfigError(
+            "llama3 rope scaling needs 0 < rope_scaling.low_freq_factor < high_freq_factor; "
+            f"got {params!r}"
+        )
+    return scaling
 
 
 def _check_sliding_window(hf_config: Any, max_sequence_length: int) -> None:
@@ -165,7 +216,7 @@ def hf_to_megatron_args(
         padded_vocab_size=pad_vocab_size(hf_config.vocab_size, dims.tp, vocab_divisor),
         max_sequence_length=max_sequence_length,
         rotary_base=float(rope["rope_theta"]),
-        rope_scaling_factor=_rope_scaling_factor(rope),
+        rope_scaling=_rope_scaling(rope),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         use_te_spec=use_te,
     )
