@@ -5,10 +5,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import torch
 import torch.nn.functional as F
