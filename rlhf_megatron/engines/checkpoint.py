@@ -6,11 +6,14 @@ Layout of a checkpoint directory:
   <dir>/engine_state.pt          LR scheduler state and the step (written by global rank 0)
   <dir>/rng/rank_<r>.pt          each rank's torch and Megatron-tracker RNG states
 
-What loads where: model weights load at any TP/PP (sharded tensors are layout-free). The
-optimizer state (non-distributed optimizer) is sharded like the parameters and is saved and
-restored at the same layout; loading it at another layout is not tested and not promised. RNG
-states are restored only when the world size matches. The directory is written under
-"<dir>.tmp" and renamed when every rank has finished, so a crash never leaves a half checkpoint.
+What loads where: model weights, optimizer state and the LR schedule load at any TP/PP/DP.
+Sharded tensors are layout-free, and the optimizer state is stored in model space, one tensor per
+parameter and key (Adam exp_avg / exp_avg_sq, SGD momentum; the Adam step once): the plain
+optimizer's format already is, and the distributed optimizer writes Megatron's
+"fully_reshardable" format (engines/optimizer_state.py, which also makes a freshly built
+optimizer loadable). RNG states are restored only when the world size matches.
+The directory is written under "<dir>.tmp" and renamed when every rank has finished, so a crash
+never leaves a half checkpoint.
 """
 
 from __future__ import annotations
