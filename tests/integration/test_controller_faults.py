@@ -27,6 +27,11 @@ from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 from rlhf_megatron.quickstart import prepare
 
 STEPS = 4
+# Warm-up then cosine decay: the lr differs every step, so a resume that rebuilt the scheduler
+# instead of restoring it would log (and train with) another lr than the uninterrupted run.
+SCHEDULE = {"actor.engine.optimizer.warmup_steps": 3,
+            "actor.engine.optimizer.lr_decay_style": "cosine",
+            "actor.engine.optimizer.total_steps": 10}
 
 
 @pytest.fixture(scope="module")
@@ -38,36 +43,42 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def uninterrupted(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     result = run_train(small_run_overrides(assets, run_dir, **{
-        "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2}))
+        "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2,
+        **SCHEDULE}))
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return records
 
 
-def _resume_and_compare(assets: Path, run_dir: Path, uninterrupted: list[dict]) -> None:
+def _resume_and_compare(assets: Path, run_dir: Path, uninterrupted: list[dict],
+                        first_resumed: int) -> None:
     result = run_train(small_run_overrides(assets, run_dir, **{
         "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2,
-        "trainer.resume": "auto"}))
+        "trainer.resume": "auto", **SCHEDULE}))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stderr
+    assert f"at step {first_resumed}" in result.stderr
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(uninterrupted, resumed, strict=True):
         assert stable(a) == stable(b), f"step {a['step']} differs after resume"
+    # The lr after the first resumed step is the restored schedule's, not a fresh one's.
+    lrs = [r["actor/lr"] for r in resumed]
+    assert len(set(lrs)) == STEPS and lrs[first_resumed - 1] != lrs[0], lrs
 
 
 def test_kill_mid_run_then_resume_is_exact(assets: Path, tmp_path: Path,
                                            uninterrupted: list[dict]) -> None:
     run_dir = tmp_path / "killed"
     overrides = small_run_overrides(assets, run_dir, **{
-        "trainer.total_steps": STEPS, "trainer.save_every": 2, "trainer.keep_last": 2})
+        "trainer.total_steps": STEPS, "trainer.save_every": 2, "trainer.keep_last": 2,
+        **SCHEDULE})
     process = start_train(overrides, tmp_path / "killed.log")
     # Step 3 is logged but its checkpoint (step 4's) is not taken: resume redoes step 3.
     wait_until(lambda: len(read_metrics(run_dir)) >= 3, process, timeout=240)
     kill_hard(process)
     assert CheckpointStore(run_dir / "checkpoints", keep_last=2).latest().name == "step_00000002"
-    _resume_and_compare(assets, run_dir, uninterrupted)
+    _resume_and_compare(assets, run_dir, uninterrupted, first_resumed=3)
 
 
 def test_kill_during_checkpoint_save(assets: Path, tmp_path: Path,
@@ -75,7 +86,8 @@ def test_kill_during_checkpoint_save(assets: Path, tmp_path: Path,
     run_dir = tmp_path / "killed_in_save"
     checkpoints = run_dir / "checkpoints"
     overrides = small_run_overrides(assets, run_dir, **{
-        "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2})
+        "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2,
+        **SCHEDULE})
     process = start_train(overrides, tmp_path / "killed_in_save.log")
 
     def saving_step_3() -> bool:
@@ -89,12 +101,26 @@ def test_kill_during_checkpoint_save(assets: Path, tmp_path: Path,
     assert store.load_controller_state(store.latest())["step"] == 2
     # The previous checkpoint loads (engines, loader, rollout weights) and the run goes on
     # exactly as if nothing had happened.
-    _resume_and_compare(assets, run_dir, uninterrupted)
+    _resume_and_compare(assets, run_dir, uninterrupted, first_resumed=3)
 
 
-def _worker_pids(kind: str) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if f"ray::{kind}" in line]
+def _worker_pids(kind: str, root: int) -> list[int]:
+    """Ray workers of `kind` descended from process `root` (not another run's on this host)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    parent, args = {}, {}
+    for line in out.splitlines()[1:]:
+        fields = line.split(None, 2)
+        parent[int(fields[0])] = int(fields[1])
+        args[int(fields[0])] = fields[2] if len(fields) == 3 else ""
+
+    def under_root(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 1)
+        return False
+
+    return [pid for pid, text in args.items() if f"ray::{kind}" in text and under_root(pid)]
 
 
 def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> None:
@@ -103,7 +129,7 @@ def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> N
                           tmp_path / "worker_death.log")
     try:
         wait_until(lambda: len(read_metrics(run_dir)) >= 2, process, timeout=240)
-        pids = _worker_pids("MegatronWorker")
+        pids = _worker_pids("MegatronWorker", process.pid)
         assert len(pids) == 2, pids
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()

@@ -6,12 +6,53 @@ from __future__ import annotations
 
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 from controller_harness import CONFIG, read_metrics, small_run_overrides
-from test_slurm_launch import run_local_sh, run_simulated_slurm
+from test_slurm_launch import SIM_NODES, run_local_sh, run_simulated_slurm
 
 from rlhf_megatron.quickstart import prepare
+
+
+class WorkerNodes(threading.Thread):
+    """While a simulated job runs, records the simulated node (SIM_NODE, which the fake srun
+    puts in each `ray start` step's environment and Ray workers inherit) of every Megatron
+    worker of that job (its environment carries the job's SIM_STATE). Processes a worker forks
+    (checkpoint writers) carry its title too: `ranks()` leaves them out."""
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.needle = f"SIM_STATE={state_dir}".encode()
+        self.nodes: dict[int, str] = {}
+        self.parents: dict[int, int] = {}
+        self.done = threading.Event()
+
+    def ranks(self) -> dict[int, str]:
+        return {pid: node for pid, node in self.nodes.items()
+                if self.parents[pid] not in self.nodes}
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit() and int(entry.name) not in self.nodes:
+                    self._look(entry)
+
+    def _look(self, entry: Path) -> None:
+        try:
+            if b"ray::MegatronWorker" not in (entry / "cmdline").read_bytes():
+                return
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone
+            return
+        if self.needle in env:
+            try:  # /proc/<pid>/stat: "pid (comm) state ppid ..."
+                self.parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                return
+            node = next((v[9:].decode() for v in env if v.startswith(b"SIM_NODE=")), "?")
+            self.nodes[int(entry.name)] = node
 
 
 def test_sbatch_runs_a_training_run_on_two_nodes(tmp_path: Path) -> None:
@@ -23,8 +64,16 @@ def test_sbatch_runs_a_training_run_on_two_nodes(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "rlhf_megatron", "train", "--config", str(CONFIG),
                *overrides]
     train_cmd = shlex.join(command) + ' ray.address="$RAY_ADDRESS"'
-    result = run_simulated_slurm(tmp_path, train_cmd, timeout_s=400)
+    watcher = WorkerNodes(tmp_path / "state")
+    watcher.start()
+    try:
+        result = run_simulated_slurm(tmp_path, train_cmd, timeout_s=400)
+    finally:
+        watcher.done.set()
+        watcher.join()
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    # The actor's two TP ranks (one Ray worker each) sat one per node.
+    assert sorted(watcher.ranks().values()) == list(SIM_NODES), watcher.nodes
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     assert "joined the Ray cluster at" in result.stdout + result.stderr
