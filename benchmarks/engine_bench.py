@@ -1,11 +1,15 @@
 """Actor engine throughput on CPU against plain HF transformers doing the same work, same run.
 
     .venv/bin/python benchmarks/engine_bench.py [--hidden 256] [--layers 4] [--batch 16] [--seq 128]
+        [--repeats 7] [--local-spec sdpa|megatron] [--profile]
 
 Measures tokens/s of (a) response log-probs (forward only) and (b) one policy update (forward,
 backward, optimizer step) for the Megatron actor at TP1 (fp32, one gloo rank) and for
-transformers' AutoModelForCausalLM with the same weights, shapes and loss, then prints
-megatron/hf ratios. Each figure is the median of --repeats timed runs after one warm-up.
+transformers' AutoModelForCausalLM (its default SDPA attention) with the same weights, shapes
+and loss. The two run alternately, one timed pass each per round, so load from other processes
+hits both alike; each ratio is the median of the per-round ratios, each tok/s the median time.
+--local-spec megatron runs Megatron's stock local layer spec (unfused attention, as before SDPA).
+--profile prints torch.profiler's top operators of one Megatron and one HF update.
 """
 
 from __future__ import annotations
@@ -30,14 +34,27 @@ def _batch(rows: int, seq: int, vocab: int):
     return TokenBatch(ids, attn, loss_mask, {"advantages": adv})
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _alternate(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each fn, called in turn `repeats` times after one warm-up each."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _profile(fn, label: str, rows: int = 12) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    print(f"--- {label}: top operators by self CPU time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def _hf_logprobs(model, batch) -> torch.Tensor:
@@ -66,7 +83,7 @@ def _hf_update(model, optimizer, batch, old: torch.Tensor) -> None:
     optimizer.zero_grad()
 
 
-def _job(hf_dir: str, rows: int, seq: int, repeats: int) -> dict:
+def _job(hf_dir: str, rows: int, seq: int, repeats: int, profile: bool) -> dict:
     import transformers
 
     from rlhf_megatron.engines import (
@@ -86,9 +103,6 @@ def _job(hf_dir: str, rows: int, seq: int, repeats: int) -> dict:
     actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
     old = actor.compute_logprobs(batch)["logprobs"]
     update_batch = batch.with_fields(old_logprobs=old)
-    megatron_lp = _median_time(lambda: actor.compute_logprobs(batch), repeats)
-    megatron_up = _median_time(lambda: actor.update_policy(update_batch, PolicyUpdateSettings()),
-                               repeats)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
@@ -104,11 +118,25 @@ def _job(hf_dir: str, rows: int, seq: int, repeats: int) -> dict:
         for part, old_part in zip(parts, old[:, 1:].split(half)):
             _hf_update(model, optimizer, part, old_part)
 
-    hf_lp = _median_time(hf_logprobs_pass, repeats)
-    hf_up = _median_time(hf_update_pass, repeats)
-    return {"tokens": tokens, "megatron_logprob_tps": tokens / megatron_lp,
-            "hf_logprob_tps": tokens / hf_lp, "megatron_update_tps": tokens / megatron_up,
-            "hf_update_tps": tokens / hf_up}
+    def megatron_update_pass():
+        actor.update_policy(update_batch, PolicyUpdateSettings())
+
+    times = _alternate({
+        "megatron_logprob": lambda: actor.compute_logprobs(batch),
+        "hf_logprob": hf_logprobs_pass,
+        "megatron_update": megatron_update_pass,
+        "hf_update": hf_update_pass,
+    }, repeats)
+    if profile:
+        _profile(megatron_update_pass, "megatron update")
+        _profile(hf_update_pass, "hf update")
+    result = {"tokens": tokens, "attn_implementation": model.config._attn_implementation}
+    for name, values in times.items():
+        result[f"{name}_tps"] = tokens / statistics.median(values)
+    for kind in ("logprob", "update"):
+        result[f"{kind}_ratio"] = statistics.median(
+            h / m for m, h in zip(times[f"megatron_{kind}"], times[f"hf_{kind}"]))
+    return result
 
 
 def main() -> None:
@@ -117,9 +145,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--local-spec", choices=("sdpa", "megatron"), default="sdpa")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
+    from rlhf_megatron.models.builder import LOCAL_SPEC_ENV
     from rlhf_megatron.testing.multirank import run_on_ranks
     from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -129,13 +160,15 @@ def main() -> None:
             num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 64,
             num_layers=args.layers,
         )
-        (r,) = run_on_ranks(_job, 1, (str(hf_dir), args.batch, args.seq, args.repeats),
-                            timeout_s=1800, env={"OMP_NUM_THREADS": "2"})
+        env = {"OMP_NUM_THREADS": "2", LOCAL_SPEC_ENV: args.local_spec}
+        (r,) = run_on_ranks(_job, 1, (str(hf_dir), args.batch, args.seq, args.repeats,
+                                      args.profile), timeout_s=1800, env=env)
     print(f"model: Llama hidden={args.hidden} layers={args.layers}; batch {args.batch} x {args.seq}"
-          f" tokens, fp32, CPU, 1 rank")
+          f" tokens, fp32, CPU, 1 rank; local spec {args.local_spec}, hf "
+          f"{r['attn_implementation']}; {args.repeats} alternating rounds")
     for kind in ("logprob", "update"):
         m, h = r[f"megatron_{kind}_tps"], r[f"hf_{kind}_tps"]
-        print(f"{kind:>8}: megatron {m:9.0f} tok/s | hf {h:9.0f} tok/s | ratio {m / h:.2f}")
+        print(f"{kind:>8}: megatron {m:9.0f} tok/s | hf {h:9.0f} tok/s | ratio {r[f'{kind}_ratio']:.2f}")
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ class ActorEngine(ReferenceEngine):
             values = {k: float(v) for k, v in metrics.items()}
             values["pg_loss"] = float(loss.detach())  # the policy loss alone, without the bonus
             values["entropy"] = float(entropy_term.detach())
-            loss = loss - settings.entropy_coeff * entropy_term
+            if settings.entropy_coeff:  # else the metric's graph is never walked backward
+                loss = loss - settings.entropy_coeff * entropy_term
             if settings.kl_loss_coeff:
                 kl, _ = compute_kl_loss(
                     lp, rows.fields["ref_logprobs"], mask, settings.kl_loss_kind, aggregation

@@ -36,10 +36,13 @@ def vocab_parallel_logprobs(
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     local_vocab = logits.shape[-1]
     start = tp_rank * local_vocab
-    logits = logits.float()
-    column = torch.arange(start, start + local_vocab, device=logits.device)
-    padding = column >= vocab_size
-    logits = logits.masked_fill(padding, float("-inf"))
+    # Padded columns sit at the end of the vocabulary: slicing them off (a view) is cheaper than
+    # masking a copy of the logits. A rank whose slice is all padding keeps one masked column.
+    all_padding = start >= vocab_size
+    keep = 1 if all_padding else min(local_vocab, vocab_size - start)
+    logits = logits[..., :keep].float()
+    if all_padding:
+        logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool), float("-inf"))
 
     # The max only stabilises exp(); the result does not depend on it, so it needs no gradient.
     global_max = logits.detach().max(dim=-1).values
@@ -52,8 +55,8 @@ def vocab_parallel_logprobs(
     sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
     log_normaliser = sum_exp.log()
 
-    in_slice = (targets >= start) & (targets < start + local_vocab)
-    local_index = (targets - start).clamp(0, local_vocab - 1)
+    in_slice = (targets >= start) & (targets < start + keep)
+    local_index = (targets - start).clamp(0, keep - 1)
     target_logit = shifted.gather(-1, local_index.unsqueeze(-1)).squeeze(-1)
     target_logit = reduce_from_tensor_model_parallel_region(
         torch.where(in_slice, target_logit, torch.zeros_like(target_logit))
@@ -61,13 +64,13 @@ def vocab_parallel_logprobs(
     logprobs = target_logit - log_normaliser
     if not compute_entropy:
         return logprobs, None
-    # H = log Z - E_p[shifted logit] = log Z - A / Z with A = sum_v exp(s_v) * s_v; padded
-    # columns have exp = 0 and -inf logits, so drop them. A is reduced before it is divided by Z:
-    # dividing each rank's slice by Z first would make Z feed per-rank terms, and the identity
-    # backward of the reduce would then miss the other ranks' share of dH/dZ (wrong gradient at
-    # TP > 1, right value).
-    weighted = reduce_from_tensor_model_parallel_region(
-        (exp * shifted.masked_fill(padding, 0.0)).sum(dim=-1)
-    )
+    # H = log Z - E_p[shifted logit] = log Z - A / Z with A = sum_v exp(s_v) * s_v; a masked
+    # padding column has exp = 0 and a -inf logit, so it is zeroed. A is reduced before it is
+    # divided by Z: dividing each rank's slice by Z first would make Z feed per-rank terms, and
+    # the identity backward of the reduce would then miss the other ranks' share of dH/dZ (wrong
+    # gradient at TP > 1, right value).
+    if all_padding:
+        shifted = shifted.masked_fill(shifted.isinf(), 0.0)
+    weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
     entropy = log_normaliser - weighted / sum_exp
     return logprobs, entropy

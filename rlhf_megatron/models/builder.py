@@ -8,26 +8,25 @@ from typing import Any
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.config_translation import MegatronModelArgs
 
-# Test/debug switch for the local spec's core attention: "sdpa" (default) or "unfused" (Megatron's
-# own DotProductAttention, kept so parity tests can compare against it in the same process).
-LOCAL_ATTENTION_ENV = "RLHF_MEGATRON_LOCAL_ATTENTION"
-_LOCAL_ATTENTION_CHOICES = ("sdpa", "unfused")
+# Test/debug switch for the local spec (no TE): "sdpa" (default: SDPA core attention and the
+# SwiGLU MLP without the zero-offset pass) or "megatron" (Megatron's stock local spec with its
+# unfused DotProductAttention), kept so parity tests compare the two in the same process.
+LOCAL_SPEC_ENV = "RLHF_MEGATRON_LOCAL_SPEC"
+_LOCAL_SPECS = {"sdpa": "sdpa", "megatron": "unfused"}
 
 
 def attention_backend(args: MegatronModelArgs) -> str:
     """The core attention the model of `args` uses: "te", "sdpa" or "unfused".
 
     TE stays the first choice when it imports (CUDA); otherwise SDPA (models/sdpa_attention.py),
-    unless the environment selects the unfused local attention (see LOCAL_ATTENTION_ENV).
+    unless the environment selects Megatron's stock local spec (see LOCAL_SPEC_ENV).
     """
     if args.use_te_spec:
         return "te"
-    choice = os.environ.get(LOCAL_ATTENTION_ENV, "sdpa")
-    if choice not in _LOCAL_ATTENTION_CHOICES:
-        raise ConfigError(
-            f"{LOCAL_ATTENTION_ENV}={choice!r}: expected one of {list(_LOCAL_ATTENTION_CHOICES)}"
-        )
-    return choice
+    choice = os.environ.get(LOCAL_SPEC_ENV, "sdpa")
+    if choice not in _LOCAL_SPECS:
+        raise ConfigError(f"{LOCAL_SPEC_ENV}={choice!r}: expected one of {list(_LOCAL_SPECS)}")
+    return _LOCAL_SPECS[choice]
 
 
 def packs_by_cu_seqlens(model: Any) -> bool:
@@ -41,8 +40,8 @@ def packs_by_cu_seqlens(model: Any) -> bool:
 
 def build_layer_spec(args: MegatronModelArgs, backend: str | None = None) -> Any:
     """The TE spec (norms fused into linear_qkv / linear_fc1) when TE is usable, else the local
-    spec with SDPA core attention (or Megatron's unfused one); `backend` defaults to
-    `attention_backend(args)`."""
+    spec with SDPA core attention and the SwiGLU MLP (or Megatron's stock local spec for
+    "unfused"); `backend` defaults to `attention_backend(args)`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     qk_layernorm = args.transformer_config.qk_layernorm
@@ -53,10 +52,16 @@ def build_layer_spec(args: MegatronModelArgs, backend: str | None = None) -> Any
         qk_layernorm=qk_layernorm, normalization="RMSNorm"
     )
     if backend == "sdpa":
+        from megatron.core.transformer.mlp import MLP
+
         from rlhf_megatron.models.sdpa_attention import SDPAttention
+        from rlhf_megatron.models.swiglu_mlp import SwiGLUMLP
 
         # The spec is built fresh by each call, so changing it here affects nobody else.
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        layer = spec.submodules
+        layer.self_attention.submodules.core_attention = SDPAttention
+        if layer.mlp.module is MLP:  # dense models (an MoE layer keeps its own module)
+            layer.mlp.module = SwiGLUMLP
     return spec
 
 

@@ -1,13 +1,15 @@
-"""SDPA core attention == Megatron's unfused local attention (fp32, 1e-5): logits and gradients.
+"""The local spec without TE (SDPA core attention, SwiGLU MLP) == Megatron's stock local spec
+(unfused DotProductAttention, its own MLP), fp32 1e-5, logits and gradients.
 
 One 2-rank gloo job walks TP2, PP2 (1F1B, 2 micro-batches) and TP1 x DP2. At each layout it
-builds the engine twice, once with the SDPA core attention (the default without TE) and once with
-Megatron's unfused `DotProductAttention` (selected by RLHF_MEGATRON_LOCAL_ATTENTION=unfused), loads
-the same HF weights, and runs one forward/backward through the engine's own micro-batching and
-Megatron's schedule on right-padded rows of different lengths, unpacked and packed. Packed, the
-SDPA engine passes cu_seqlens (thd) and the unfused one the block-diagonal mask. Each rank compares
-its own logits shard (last stage) and its own gradient shards (every stage). At TP1 it also
-checks that attention dropout (0 in every config) is applied in training only.
+builds the engine twice, once with the default local spec and once with Megatron's stock one
+(selected by RLHF_MEGATRON_LOCAL_SPEC=megatron), loads the same HF weights, and runs one
+forward/backward through the engine's own micro-batching and Megatron's schedule on right-padded
+rows of different lengths, unpacked and packed. Packed, the SDPA engine passes cu_seqlens (thd)
+and the stock one the block-diagonal mask. Each rank compares its own logits shard (last stage)
+and its own gradient shards (every stage). At TP1 it also checks that attention dropout (0 in
+every config) is applied in training only, and at TP2 that the vocab-parallel log-probs drop the
+padded vocabulary columns right (a rank holding only padding included).
 """
 
 from __future__ import annotations
@@ -35,22 +37,22 @@ def _batch():
     return TokenBatch(ids * attn, attn, attn.clone())
 
 
-def _forward_backward(hf_dir: str, dims, backend: str, packing: bool) -> dict:
+def _forward_backward(hf_dir: str, dims, local_spec: str, packing: bool) -> dict:
     """Logits (this rank's vocab shard, last stage) and main grads of one fwd/bwd pass."""
     from rlhf_megatron.engines import EngineConfig, OptimizerSettings
     from rlhf_megatron.engines.base import MegatronEngine, unwrap
-    from rlhf_megatron.models.builder import LOCAL_ATTENTION_ENV
+    from rlhf_megatron.models.builder import LOCAL_SPEC_ENV
 
-    os.environ[LOCAL_ATTENTION_ENV] = backend
+    os.environ[LOCAL_SPEC_ENV] = local_spec
     try:
         config = EngineConfig(micro_batch_size=ROWS // 2, use_packing=packing,
                               optimizer=OptimizerSettings(name="sgd"))
         engine = MegatronEngine(config, hf_dir=hf_dir, dims=dims, trainable=True)
         micro_batches = engine.make_micro_batches(_batch())
     finally:
-        del os.environ[LOCAL_ATTENTION_ENV]
+        del os.environ[LOCAL_SPEC_ENV]
     layer = unwrap(engine.chunks[0]).decoder.layers[0]
-    used = type(layer.self_attention.core_attention).__name__
+    used = (type(layer.self_attention.core_attention).__name__, type(layer.mlp).__name__)
     thd = [m.packed_seq_params is not None for m in micro_batches]
     logits = []
 
@@ -107,6 +109,33 @@ def _dropout_only_in_training(hf_dir: str, dims) -> dict:
             "train_draws_differ": not torch.allclose(first, second)}
 
 
+def _vocab_padding_check() -> dict:
+    """vocab_parallel_logprobs at TP2 with vocab 100 in 2 x 128 columns: rank 0 drops its padded
+    tail, rank 1 holds only padding. Log-probs, entropy and logit gradients against log_softmax
+    over the real columns of the gathered logits."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from rlhf_megatron.engines.vocab_parallel import vocab_parallel_logprobs
+
+    vocab, local = 100, 128
+    g = torch.Generator().manual_seed(9)
+    full = torch.randn(2, 5, 2 * local, generator=g)
+    targets = torch.randint(0, vocab, (2, 5), generator=g)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    shard = full[..., rank * local:(rank + 1) * local].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(shard, targets, vocab_size=vocab)
+    (lp.sum() + ent.sum()).backward()
+    reference = full.clone().requires_grad_(True)
+    logp = torch.log_softmax(reference[..., :vocab], -1)
+    ref_lp = logp.gather(-1, targets[..., None])[..., 0]
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (ref_lp.sum() + ref_ent.sum()).backward()
+    grads = gather_from_tensor_model_parallel_region(shard.grad)
+    return {"logprobs": (lp - ref_lp).abs().max().item(), "entropy": (ent - ref_ent).abs().max().item(),
+            "grads": (grads - reference.grad).abs().max().item()}
+
+
 def _parity_job(hf_dir: str) -> dict:
     from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
 
@@ -115,29 +144,34 @@ def _parity_job(hf_dir: str) -> dict:
         dims = ParallelDims(2, tp=tp, pp=pp)
         initialize_layout(dims, seed=3)
         for packing in (False, True):
-            unfused = _forward_backward(hf_dir, dims, "unfused", packing)
+            stock = _forward_backward(hf_dir, dims, "megatron", packing)
             sdpa = _forward_backward(hf_dir, dims, "sdpa", packing)
-            results[f"tp{tp}pp{pp}-{'packed' if packing else 'padded'}"] = _compare(unfused, sdpa)
+            results[f"tp{tp}pp{pp}-{'packed' if packing else 'padded'}"] = _compare(stock, sdpa)
         if (tp, pp) == (1, 1):
             results["dropout"] = _dropout_only_in_training(hf_dir, dims)
+        if tp == 2:
+            results["vocab_padding"] = _vocab_padding_check()
         destroy_layout()
     return results
 
 
 @pytest.mark.multirank
-def test_sdpa_matches_unfused_attention(tmp_path):
+def test_sdpa_local_spec_matches_megatron_stock_spec(tmp_path):
     # Llama with GQA (4 query heads over 2 KV heads, 1 of each per rank at TP2).
     hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "LlamaForCausalLM", num_layers=2)
     per_rank = run_on_ranks(_parity_job, 2, (str(hf_dir),), timeout_s=600)
     for rank, results in enumerate(per_rank):
         assert results.pop("dropout") == {"eval_is_exact": True, "train_drops": True,
                                           "train_draws_differ": True}, rank
+        padding = results.pop("vocab_padding")
+        assert max(padding.values()) < TOLERANCE, (rank, padding)
         assert len(results) == 2 * len(LAYOUTS)
         for case, r in results.items():
             where = f"rank {rank} {case}: {r}"
-            assert r["modules"] == ("DotProductAttention", "SDPAttention"), where
+            stock, ours = ("DotProductAttention", "MLP"), ("SDPAttention", "SwiGLUMLP")
+            assert r["modules"] == (stock, ours), where
             packed = case.endswith("packed")
-            # Packed: the unfused engine used the T x T mask, the SDPA engine cu_seqlens.
+            # Packed: the stock engine used the T x T mask, the SDPA engine cu_seqlens.
             assert r["thd"] == ([False] * 2, [packed] * 2), where
             assert r["logits"] < TOLERANCE and r["grads"] < TOLERANCE, where
             assert r["grad_size"] > 1e-3, where  # the gradients compared are not all ~0
