@@ -134,12 +134,12 @@ def _check_steps(records: list[dict], steps: int, refit_steps: list[int] | None 
     refits = refit_steps if refit_steps is not None else list(range(1, steps + 1))
     version = 0
     for r in records:
-        assert r["rollout/logprob_diff_max"] < 1e-4, r["rollout/logprob_diff_max"]
-        if model_bytes is not None and r["step"] in refits:
-            assert r["refit/bytes"] == model_bytes, (r["step"], r["refit/bytes"], model_bytes)
         assert r["rollout/weight_version"] == version, (r["step"], r["rollout/weight_version"])
+        assert r["rollout/logprob_diff_max"] < 1e-4, r["rollout/logprob_diff_max"]
         version = r["step"] if r["step"] in refits else version
         assert r["weight_version"] == version, (r["step"], r["weight_version"])
+        if model_bytes is not None and r["step"] in refits:
+            assert r["refit/bytes"] == model_bytes, (r["step"], r["refit/bytes"], model_bytes)
 
 
 def _rows(dump: dict) -> list[tuple[int, int]]:
