@@ -41,6 +41,16 @@ def load_prompts(cfg: TrainConfig, tokenizer: Any, files: list[str],
     return list(zip(rows, ids, strict=True))
 
 
+def _probe_custom_reward(rewards: RewardManager,
+                         items: list[tuple[PromptRow, list[int]]]) -> None:
+    """Call a custom reward once before Ray starts, on the first two training rows with their
+    own answers as the responses, so one that raises or returns the wrong number of rewards
+    fails in seconds (RewardError), not after the workers have started."""
+    rows = [row for row, _ in items[:2]]
+    rewards.compute([row.answer for row in rows], [row.answer for row in rows],
+                    [row.data_source for row in rows])
+
+
 def _say(message: str) -> None:
     print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
 
@@ -68,6 +78,8 @@ def train(cfg: TrainConfig) -> Path:
                  if cfg.data.val_files else [])
     loader = PromptLoader(train_items, batch_size=cfg.data.prompts_per_step, seed=cfg.data.seed)
     rewards = RewardManager(cfg.reward)
+    if rewards.custom is not None and not cfg.uses_reward_model:
+        _probe_custom_reward(rewards, train_items)
     alg = cfg.algorithm
     kl_controller = build_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target,
                                         alg.kl_horizon)
