@@ -1,13 +1,15 @@
 """Actor engine throughput on CPU against plain HF transformers doing the same work, same run.
 
     .venv/bin/python benchmarks/engine_bench.py [--hidden 256] [--layers 4] [--batch 16] [--seq 128]
-        [--repeats 7] [--local-spec sdpa|megatron] [--profile]
+        [--repeats 7] [--threads 2] [--local-spec sdpa|megatron] [--profile]
 
 Measures tokens/s of (a) response log-probs (forward only) and (b) one policy update (forward,
 backward, optimizer step) for the Megatron actor at TP1 (fp32, one gloo rank) and for
 transformers' AutoModelForCausalLM (its default SDPA attention) with the same weights, shapes
 and loss. The two run alternately, one timed pass each per round, so load from other processes
-hits both alike; each ratio is the median of the per-round ratios, each tok/s the median time.
+hits both alike; each ratio is the median of the per-round ratios (hf time / megatron time, > 1
+when Megatron is faster), each tok/s the median wall time. "cpu time" is the same ratio of the
+process's CPU time, which load from other processes disturbs less (it counts both threads).
 --local-spec megatron runs Megatron's stock local layer spec (unfused attention, as before SDPA).
 --profile prints torch.profiler's top operators of one Megatron and one HF update.
 """
@@ -34,16 +36,18 @@ def _batch(rows: int, seq: int, vocab: int):
     return TokenBatch(ids, attn, loss_mask, {"advantages": adv})
 
 
-def _alternate(fns: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each fn, called in turn `repeats` times after one warm-up each."""
+def _alternate(fns: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Wall and process-CPU seconds per call of each fn, called in turn `repeats` times after
+    one warm-up each: {name: {"wall": [...], "cpu": [...]}}."""
     for fn in fns.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times = {name: {"wall": [], "cpu": []} for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name]["cpu"].append(time.process_time() - cpu)
+            times[name]["wall"].append(time.perf_counter() - wall)
     return times
 
 
@@ -83,7 +87,7 @@ def _hf_update(model, optimizer, batch, old: torch.Tensor) -> None:
     optimizer.zero_grad()
 
 
-def _job(hf_dir: str, rows: int, seq: int, repeats: int, profile: bool) -> dict:
+def _job(hf_dir: str, rows: int, seq: int, repeats: int, profile: bool, threads: int) -> dict:
     import transformers
 
     from rlhf_megatron.engines import (
@@ -94,7 +98,7 @@ def _job(hf_dir: str, rows: int, seq: int, repeats: int, profile: bool) -> dict:
     )
     from rlhf_megatron.parallel import ParallelDims, initialize_layout
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     batch = _batch(rows, seq, 300)
     tokens = rows * seq
     dims = ParallelDims(1)
@@ -132,10 +136,11 @@ def _job(hf_dir: str, rows: int, seq: int, repeats: int, profile: bool) -> dict:
         _profile(hf_update_pass, "hf update")
     result = {"tokens": tokens, "attn_implementation": model.config._attn_implementation}
     for name, values in times.items():
-        result[f"{name}_tps"] = tokens / statistics.median(values)
+        result[f"{name}_tps"] = tokens / statistics.median(values["wall"])
     for kind in ("logprob", "update"):
-        result[f"{kind}_ratio"] = statistics.median(
-            h / m for m, h in zip(times[f"megatron_{kind}"], times[f"hf_{kind}"]))
+        for clock in ("wall", "cpu"):
+            pairs = zip(times[f"megatron_{kind}"][clock], times[f"hf_{kind}"][clock])
+            result[f"{kind}_{clock}_ratio"] = statistics.median(h / m for m, h in pairs)
     return result
 
 
@@ -147,6 +152,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--local-spec", choices=("sdpa", "megatron"), default="sdpa")
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
@@ -160,15 +166,16 @@ def main() -> None:
             num_attention_heads=args.hidden // 32, num_key_value_heads=args.hidden // 64,
             num_layers=args.layers,
         )
-        env = {"OMP_NUM_THREADS": "2", LOCAL_SPEC_ENV: args.local_spec}
-        (r,) = run_on_ranks(_job, 1, (str(hf_dir), args.batch, args.seq, args.repeats,
-                                      args.profile), timeout_s=1800, env=env)
+        env = {"OMP_NUM_THREADS": str(args.threads), LOCAL_SPEC_ENV: args.local_spec}
+        job_args = (str(hf_dir), args.batch, args.seq, args.repeats, args.profile, args.threads)
+        (r,) = run_on_ranks(_job, 1, job_args, timeout_s=1800, env=env)
     print(f"model: Llama hidden={args.hidden} layers={args.layers}; batch {args.batch} x {args.seq}"
-          f" tokens, fp32, CPU, 1 rank; local spec {args.local_spec}, hf "
+          f" tokens, fp32, CPU, 1 rank, {args.threads} threads; local spec {args.local_spec}, hf "
           f"{r['attn_implementation']}; {args.repeats} alternating rounds")
     for kind in ("logprob", "update"):
         m, h = r[f"megatron_{kind}_tps"], r[f"hf_{kind}_tps"]
-        print(f"{kind:>8}: megatron {m:9.0f} tok/s | hf {h:9.0f} tok/s | ratio {r[f'{kind}_ratio']:.2f}")
+        print(f"{kind:>8}: megatron {m:9.0f} tok/s | hf {h:9.0f} tok/s | ratio "
+              f"{r[f'{kind}_wall_ratio']:.2f} (cpu time {r[f'{kind}_cpu_ratio']:.2f})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The local spec without TE (SDPA core attention, SwiGLU MLP) == Megatron's stock local spec
-(unfused DotProductAttention, its own MLP), fp32 1e-5, logits and gradients.
+"""The local spec without TE (SDPA core attention, SwiGLU MLP, lean linears) == Megatron's stock
+local spec (unfused DotProductAttention, its MLP and linears), fp32 1e-5, logits and gradients.
 
 One 2-rank gloo job walks TP2, PP2 (1F1B, 2 micro-batches) and TP1 x DP2. At each layout it
 builds the engine twice, once with the default local spec and once with Megatron's stock one
@@ -52,7 +52,8 @@ def _forward_backward(hf_dir: str, dims, local_spec: str, packing: bool) -> dict
     finally:
         del os.environ[LOCAL_SPEC_ENV]
     layer = unwrap(engine.chunks[0]).decoder.layers[0]
-    used = (type(layer.self_attention.core_attention).__name__, type(layer.mlp).__name__)
+    used = tuple(type(m).__name__ for m in (
+        layer.self_attention.core_attention, layer.mlp, layer.mlp.linear_fc1))
     thd = [m.packed_seq_params is not None for m in micro_batches]
     logits = []
 
@@ -168,7 +169,8 @@ def test_sdpa_local_spec_matches_megatron_stock_spec(tmp_path):
         assert len(results) == 2 * len(LAYOUTS)
         for case, r in results.items():
             where = f"rank {rank} {case}: {r}"
-            stock, ours = ("DotProductAttention", "MLP"), ("SDPAttention", "SwiGLUMLP")
+            stock = ("DotProductAttention", "MLP", "ColumnParallelLinear")
+            ours = ("SDPAttention", "SwiGLUMLP", "LeanColumnParallelLinear")
             assert r["modules"] == (stock, ours), where
             packed = case.endswith("packed")
             # Packed: the stock engine used the T x T mask, the SDPA engine cu_seqlens.
