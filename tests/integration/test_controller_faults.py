@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from controller_harness import (
+    RayHead,
     kill_hard,
     last_line,
     read_metrics,
@@ -40,11 +41,21 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def head():
+    """One Ray cluster for the runs that are not killed (a killed run takes its own local
+    cluster down with it, as a user's would)."""
+    cluster = RayHead(num_cpus=4)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets: Path, head: RayHead,
+                  tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     result = run_train(small_run_overrides(assets, run_dir, **{
         "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2,
-        **SCHEDULE}))
+        **SCHEDULE}), head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -52,10 +63,10 @@ def uninterrupted(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
 
 
 def _resume_and_compare(assets: Path, run_dir: Path, uninterrupted: list[dict],
-                        first_resumed: int) -> None:
+                        first_resumed: int, head: RayHead) -> None:
     result = run_train(small_run_overrides(assets, run_dir, **{
         "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2,
-        "trainer.resume": "auto", **SCHEDULE}))
+        "trainer.resume": "auto", **SCHEDULE}), head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"at step {first_resumed}" in result.stderr
     resumed = read_metrics(run_dir)
@@ -67,7 +78,7 @@ def _resume_and_compare(assets: Path, run_dir: Path, uninterrupted: list[dict],
     assert len(set(lrs)) == STEPS and lrs[first_resumed - 1] != lrs[0], lrs
 
 
-def test_kill_mid_run_then_resume_is_exact(assets: Path, tmp_path: Path,
+def test_kill_mid_run_then_resume_is_exact(assets: Path, tmp_path: Path, head: RayHead,
                                            uninterrupted: list[dict]) -> None:
     run_dir = tmp_path / "killed"
     overrides = small_run_overrides(assets, run_dir, **{
@@ -78,10 +89,10 @@ def test_kill_mid_run_then_resume_is_exact(assets: Path, tmp_path: Path,
     wait_until(lambda: len(read_metrics(run_dir)) >= 3, process, timeout=240)
     kill_hard(process)
     assert CheckpointStore(run_dir / "checkpoints", keep_last=2).latest().name == "step_00000002"
-    _resume_and_compare(assets, run_dir, uninterrupted, first_resumed=3)
+    _resume_and_compare(assets, run_dir, uninterrupted, first_resumed=3, head=head)
 
 
-def test_kill_during_checkpoint_save(assets: Path, tmp_path: Path,
+def test_kill_during_checkpoint_save(assets: Path, tmp_path: Path, head: RayHead,
                                      uninterrupted: list[dict]) -> None:
     run_dir = tmp_path / "killed_in_save"
     checkpoints = run_dir / "checkpoints"
@@ -101,7 +112,7 @@ def test_kill_during_checkpoint_save(assets: Path, tmp_path: Path,
     assert store.load_controller_state(store.latest())["step"] == 2
     # The previous checkpoint loads (engines, loader, rollout weights) and the run goes on
     # exactly as if nothing had happened.
-    _resume_and_compare(assets, run_dir, uninterrupted, first_resumed=3)
+    _resume_and_compare(assets, run_dir, uninterrupted, first_resumed=3, head=head)
 
 
 def _worker_pids(kind: str, root: int) -> list[int]:
