@@ -77,8 +77,8 @@ def _hf_update(model, optimizer, batch, old: torch.Tensor) -> None:
 
     mask = batch.loss_mask[:, 1:]
     lp = _hf_logprobs(model, batch)
-    inputs = PolicyLossInputs(log_prob=lp, old_log_prob=old, advantages=batch.fields["advantages"][:, 1:],
-                              response_mask=mask)
+    inputs = PolicyLossInputs(log_prob=lp, old_log_prob=old,
+                              advantages=batch.fields["advantages"][:, 1:], response_mask=mask)
     loss, _ = compute_policy_loss("vanilla", inputs, None,
                                   LossAggregation("token-mean", compute_loss_normalizer(mask)))
     loss.backward()

@@ -164,8 +164,12 @@ class SDPAttention(MegatronModule):
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
         self.hidden_size_per_partition = self.num_attention_heads_per_partition * head_dim
-        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = (
+            1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
 
     def forward(
         self,
@@ -303,7 +307,8 @@ def attention_self_check(
     scale = 1.0 / math.sqrt(head_dim)
 
     def rand(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+        values = torch.randn(*shape, generator=generator, device=device, dtype=torch.float32)
+        return values.to(dtype)
 
     s, b = max(lengths), len(lengths)
     dense = (rand(s, b, heads, head_dim), rand(s, b, kv_heads, head_dim),

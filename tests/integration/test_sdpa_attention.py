@@ -86,7 +86,7 @@ def _compare(reference: dict, candidate: dict) -> dict:
 
 
 def _dropout_only_in_training(hf_dir: str, dims) -> dict:
-    """An SDPAttention built with attention_dropout=0.5 (the configs use 0) drops only in train()."""
+    """An SDPAttention with attention_dropout=0.5 (the configs use 0) drops only in train()."""
     import dataclasses
 
     import transformers
@@ -133,7 +133,8 @@ def _vocab_padding_check() -> dict:
     ref_ent = -(logp.exp() * logp).sum(-1)
     (ref_lp.sum() + ref_ent.sum()).backward()
     grads = gather_from_tensor_model_parallel_region(shard.grad)
-    return {"logprobs": (lp - ref_lp).abs().max().item(), "entropy": (ent - ref_ent).abs().max().item(),
+    return {"logprobs": (lp - ref_lp).abs().max().item(),
+            "entropy": (ent - ref_ent).abs().max().item(),
             "grads": (grads - reference.grad).abs().max().item()}
 
 
