@@ -166,17 +166,10 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def megatron_optimizers(optimizer: Any) -> list[Any]:
-    """The Megatron optimizers inside a (possibly chained) optimizer."""
-    if optimizer is None:
-        return []
-    if hasattr(optimizer, "chained_optimizers"):
-        return [o for chained in optimizer.chained_optimizers for o in megatron_optimizers(chained)]
-    return [optimizer]
-
-
 def main_params(engine: Any) -> list[torch.Tensor]:
     """Copies of the parameters the optimizer steps (fp32 main params under bf16), in order."""
+    from rlhf_megatron.engines.optimizer_state import megatron_optimizers
+
     out = []
     for optimizer in megatron_optimizers(engine.optimizer):
         for group in optimizer.optimizer.param_groups:

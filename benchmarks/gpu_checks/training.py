@@ -20,12 +20,12 @@ from gpu_checks.common import (
     free_memory,
     main_params,
     make_batch,
-    megatron_optimizers,
     model_dir,
     policy_step,
     sync,
     vocab_of,
 )
+from rlhf_megatron.engines.optimizer_state import megatron_optimizers
 
 
 def _setup(ctx: CheckContext, shape_small: str = "tiny") -> tuple[Path, str, int, int, float]:

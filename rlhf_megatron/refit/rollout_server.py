@@ -91,6 +91,20 @@ class RolloutConnection:
     def __init__(self, address: tuple[str, int]) -> None:
         self._conn = Client(tuple(address), authkey=AUTHKEY)
 
+    @classmethod
+    def wait_for(cls, address: tuple[str, int], *, timeout_s: float = 240.0) -> RolloutConnection:
+        """Connect once the server listens; it starts vLLM first, which takes a while on CPU."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls(address)
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
     def _request(self, method: str, *args: Any, **kwargs: Any) -> None:
         self._conn.send((method, args, kwargs))
 

@@ -78,18 +78,9 @@ def _serve_rollout(hf_dir: str, port: int) -> None:
 
 
 def _connect(port: int):
-    import time
-
     from rlhf_megatron.refit.rollout_server import RolloutConnection
 
-    deadline = time.monotonic() + 240  # the server starts vLLM first
-    while True:
-        try:
-            return RolloutConnection(("127.0.0.1", port))
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    return RolloutConnection.wait_for(("127.0.0.1", port))
 
 
 def _engine_job(actor_dir: str, port: int, vocab_size: int) -> dict:
