@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from torch import Tensor
 
 
-def _plain_path_possible(layer: Any) -> bool:
+def plain_path_possible(layer: Any) -> bool:
     """TP size 1 and no Megatron feature that does more than x W^T + b."""
     config = layer.config
     return (
@@ -46,7 +46,7 @@ class LeanColumnParallelLinear(ColumnParallelLinear):
         runtime_gather_output: bool | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """[s, b, in] -> ([s, b, out / tp], bias when skip_bias_add else None)."""
-        if weight is not None or runtime_gather_output or not _plain_path_possible(self):
+        if weight is not None or runtime_gather_output or not plain_path_possible(self):
             return super().forward(input_, weight, runtime_gather_output)
         if self.skip_bias_add:
             return F.linear(input_, self.weight), self.bias
@@ -58,7 +58,7 @@ class LeanRowParallelLinear(RowParallelLinear):
 
     def forward(self, input_: Tensor) -> tuple[Tensor, Tensor | None]:
         """[s, b, in / tp] -> ([s, b, out], bias when skip_bias_add else None)."""
-        if not _plain_path_possible(self):
+        if not plain_path_possible(self):
             return super().forward(input_)
         if self.skip_bias_add:
             return F.linear(input_, self.weight), self.bias

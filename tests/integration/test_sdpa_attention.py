@@ -7,9 +7,11 @@ builds the engine twice, once with the default local spec and once with Megatron
 forward/backward through the engine's own micro-batching and Megatron's schedule on right-padded
 rows of different lengths, unpacked and packed. Packed, the SDPA engine passes cu_seqlens (thd)
 and the stock one the block-diagonal mask. Each rank compares its own logits shard (last stage)
-and its own gradient shards (every stage). At TP1 it also checks that attention dropout (0 in
-every config) is applied in training only, and at TP2 that the vocab-parallel log-probs drop the
-padded vocabulary columns right (a rank holding only padding included).
+and its own gradient shards (every stage), and the logits of a forward-only pass (no autograd:
+the log-prob path, which at TP1 computes fc1 in two halves). At TP1 it also checks that
+attention dropout (0 in every config) is applied in training only, and at TP2 that the
+vocab-parallel log-probs drop the padded vocabulary columns right (a rank holding only padding
+included).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def _batch():
 
 
 def _forward_backward(hf_dir: str, dims, local_spec: str, packing: bool) -> dict:
-    """Logits (this rank's vocab shard, last stage) and main grads of one fwd/bwd pass."""
+    """Logits (this rank's vocab shard, last stage) and main grads of one fwd/bwd pass, and the
+    logits of one forward-only pass (no autograd: the log-prob path)."""
     from rlhf_megatron.engines import EngineConfig, OptimizerSettings
     from rlhf_megatron.engines.base import MegatronEngine, unwrap
     from rlhf_megatron.models.builder import LOCAL_SPEC_ENV
@@ -70,17 +73,27 @@ def _forward_backward(hf_dir: str, dims, local_spec: str, packing: bool) -> dict
 
     engine.run_micro_batches(micro_batches, loss_fn, forward_only=False)
     grads = {name: p.main_grad.detach().clone() for name, p in engine.named_parameters()}
-    return {"logits": logits, "grads": grads, "module": used, "thd": thd}
+    no_grad_logits = []
+
+    def record(micro, output):
+        no_grad_logits.append(output.detach().clone())
+        return output.new_zeros(()), {}
+
+    engine.run_micro_batches(micro_batches, record, forward_only=True)
+    return {"logits": logits, "no_grad_logits": no_grad_logits, "grads": grads, "module": used,
+            "thd": thd}
 
 
 def _compare(reference: dict, candidate: dict) -> dict:
     logit_err = max([(a - b).abs().max().item()
-                     for a, b in zip(reference["logits"], candidate["logits"])], default=0.0)
+                     for kind in ("logits", "no_grad_logits")
+                     for a, b in zip(reference[kind], candidate[kind])], default=0.0)
     grad_err = max((reference["grads"][n] - g).abs().max().item()
                    for n, g in candidate["grads"].items())
     grad_size = max(g.abs().max().item() for g in reference["grads"].values())
     return {"logits": logit_err, "grads": grad_err, "grad_size": grad_size,
             "micro_batches_seen": len(candidate["logits"]),
+            "no_grad_micro_batches_seen": len(candidate["no_grad_logits"]),
             "modules": (reference["module"], candidate["module"]),
             "thd": (reference["thd"], candidate["thd"])}
 
@@ -180,4 +193,5 @@ def test_sdpa_local_spec_matches_megatron_stock_spec(tmp_path):
             assert r["grad_size"] > 1e-3, where  # the gradients compared are not all ~0
     # Every layout's last stage saw both micro-batches.
     for case in per_rank[0]:
-        assert max(rank[case]["micro_batches_seen"] for rank in per_rank) == 2, case
+        for seen in ("micro_batches_seen", "no_grad_micro_batches_seen"):
+            assert max(rank[case][seen] for rank in per_rank) == 2, (case, seen)
