@@ -130,7 +130,9 @@ def _rss() -> int:
 def check_offload(ctx: CheckContext) -> None:
     """Defect B: after engine.offload() (nothing else called) the device's free memory rises by
     >= 90% of the bytes offloaded (CPU: RSS drops by >= 50%); onload restores every byte."""
-    from rlhf_megatron.workers.megatron_worker import resident_bytes
+    from rlhf_megatron.platform import current_platform
+
+    resident_bytes = current_platform().resident_bytes
 
     hf_dir, dtype, rows, seq, lr = _setup(ctx, "tiny_wide")
     batch = make_batch(rows, seq, vocab_of(hf_dir), seed=2)

@@ -18,7 +18,6 @@ and a colocated vLLM can use it. `offloaded_bytes` says how many bytes the last 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import tempfile
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.platform import Platform, current_platform
+from rlhf_megatron.engines.optimizer_state import megatron_optimizers
+from rlhf_megatron.platform import Platform, current_platform, return_free_heap_to_os
 
 _STAGING_BYTES = 16 << 20
 
@@ -53,7 +53,7 @@ def engine_state_tensors(engine: Any) -> list[torch.Tensor]:
             tensors.append(buffer.grad_data)
             if getattr(buffer, "param_data", None) is not None:
                 tensors.append(buffer.param_data)
-    for optimizer in _torch_optimizers(engine.optimizer):
+    for optimizer in (m.optimizer for m in megatron_optimizers(engine.optimizer)):
         for group in optimizer.param_groups:
             tensors += list(group["params"])  # fp32 main params of mixed-precision optimizers
         for state in optimizer.state.values():
@@ -61,21 +61,6 @@ def engine_state_tensors(engine: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    if hasattr(optimizer, "chained_optimizers"):
-        return [o for chained in optimizer.chained_optimizers for o in _torch_optimizers(chained)]
-    return [optimizer.optimizer]
-
-
-def _return_free_heap_to_os() -> None:
-    """glibc keeps freed small/medium blocks in its heap; malloc_trim hands them back so RSS
-    really drops after a CPU offload. A no-op where glibc is absent."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class Offloader:
@@ -120,7 +105,7 @@ class Offloader:
         for item in self._stored:
             item.storage.resize_(0)
         if self._spill_path is not None:
-            _return_free_heap_to_os()
+            return_free_heap_to_os()
         # The freed blocks sit in the allocator's cache until released (module docstring).
         self.platform.release_cached_memory()
         self.offloaded_bytes = sum(item.nbytes for item in self._stored)

@@ -6,7 +6,12 @@ from rlhf_megatron.platform.cpu_compat import (
     CpuCompatHandle,
     apply_cpu_compat,
 )
-from rlhf_megatron.platform.device import Platform, current_platform, transformer_engine_available
+from rlhf_megatron.platform.device import (
+    Platform,
+    current_platform,
+    return_free_heap_to_os,
+    transformer_engine_available,
+)
 
 __all__ = [
     "CPU_SHIMS",
@@ -15,5 +20,6 @@ __all__ = [
     "Platform",
     "apply_cpu_compat",
     "current_platform",
+    "return_free_heap_to_os",
     "transformer_engine_available",
 ]

@@ -6,6 +6,7 @@ torch.distributed; none of them checks for CUDA on its own (shared/docs/DESIGN.m
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -46,6 +47,17 @@ class Platform:
         if self.is_cuda:
             torch.cuda.empty_cache()
 
+    def resident_bytes(self) -> int:
+        """Memory this process holds on its device: allocated CUDA memory on GPU; on CPU the RSS
+        once the heap's free blocks are handed back to the OS (so garbage freed earlier does not
+        count). Offload metrics are differences of this."""
+        if self.is_cuda:
+            return int(torch.cuda.memory_allocated())
+        import psutil
+
+        return_free_heap_to_os()
+        return int(psutil.Process().memory_info().rss)
+
     @property
     def supports_distributed_optimizer(self) -> bool:
         # Megatron's DistributedOptimizer rejects non-CUDA parameters (STACK.md, call site 5).
@@ -55,6 +67,15 @@ class Platform:
     def supports_context_parallel(self) -> bool:
         # "Context parallelism is only supported by TEDotProductAttention", and TE is GPU-only.
         return self.is_cuda and transformer_engine_available()
+
+
+def return_free_heap_to_os() -> None:
+    """glibc keeps freed small/medium blocks in its heap; malloc_trim hands them back so RSS
+    really drops after a CPU offload. A no-op where glibc is absent."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @functools.cache

@@ -47,22 +47,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def resident_bytes() -> int:
-    """What offload frees: allocated device memory on GPU; on CPU the process's RSS once the
-    heap's free blocks are handed back to the OS (so garbage freed earlier does not count)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.memory_allocated())
-    import ctypes
-
-    import psutil
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-    return int(psutil.Process().memory_info().rss)
-
-
 class MegatronWorker:
     """Rank `rank` of `world_size`; `setup` joins the group and builds the engines."""
 
@@ -165,16 +149,18 @@ class MegatronWorker:
                 "version": stats.version, **{f"phase/{k}": v for k, v in stats.phases.items()}}
 
     def offload(self) -> dict[str, int]:
-        """{'bytes': moved out, 'freed': the drop in resident memory} (see resident_bytes)."""
-        before = resident_bytes()
+        """{'bytes': moved out, 'freed': the drop in resident memory} (Platform.resident_bytes)."""
+        platform = self.engine.platform
+        before = platform.resident_bytes()
         moved = self.engine.offload()
-        return {"bytes": moved, "freed": before - resident_bytes()}
+        return {"bytes": moved, "freed": before - platform.resident_bytes()}
 
     def onload(self) -> dict[str, int]:
         """{'restored': the rise in resident memory}."""
-        before = resident_bytes()
+        platform = self.engine.platform
+        before = platform.resident_bytes()
         self.engine.onload()
-        return {"restored": resident_bytes() - before}
+        return {"restored": platform.resident_bytes() - before}
 
     def save_checkpoint(self, directory: str, step: int) -> str:
         return str(self.engine.save_checkpoint(Path(directory), step=step))

@@ -41,10 +41,10 @@ def _step(engine, batch):
 
 
 def _optimizer_tensors(engine):
-    from rlhf_megatron.engines.offload import _torch_optimizers
+    from rlhf_megatron.engines.optimizer_state import megatron_optimizers
 
     out = []
-    for opt in _torch_optimizers(engine.optimizer):
+    for opt in (m.optimizer for m in megatron_optimizers(engine.optimizer)):
         for state in opt.state.values():
             out += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
     return out
