@@ -103,7 +103,9 @@ class MegatronEngine:
     # ------------------------------------------------------------------ building
     @property
     def from_dist_checkpoint(self) -> bool:
-        return (self.hf_dir / "rlhf_megatron_checkpoint.json").is_file()
+        from checkpoint_tools.common import is_megatron_checkpoint
+
+        return is_megatron_checkpoint(self.hf_dir)
 
     def _load_hf_config(self, hf_dir: Path) -> Any:
         from rlhf_megatron.models.hf_checkpoint import load_hf_config
