@@ -4,91 +4,29 @@ file, HF asset copying and an in-process single-rank process group."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from rlhf_megatron.errors import CheckpointError, ConfigError
 
-METADATA_FILE = "rlhf_megatron_checkpoint.json"
-ASSETS_DIR = "hf_assets"  # config.json, generation_config.json, tokenizer files of the source
-FORMAT_VERSION = 1
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-# Stored keys that are not model weights: an engine's training checkpoint also holds Megatron's
-# optimizer state ("optimizer.state.exp_avg.<param key>", "optimizer.distributed...", and
-# "chained_<i>.optimizer..." for a chained optimizer).
-_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}[dtype]
-
-
-def is_model_key(key: str) -> bool:
-    """Whether a dist-checkpoint key holds a model weight (not optimizer state)."""
-    return _OPTIMIZER_KEY.match(key) is None
-
-
-def is_megatron_checkpoint(path: str | Path) -> bool:
-    """A Megatron dist-checkpoint of this project (`hf-to-mcore` or an engine's save)."""
-    return (Path(path) / METADATA_FILE).is_file()
-
-
-def hf_assets_dir(path: str | Path) -> Path:
-    """Where the HF config.json and tokenizer of `path` live: `path` itself for an HF directory,
-    its `hf_assets/` for a Megatron dist-checkpoint."""
-    path = Path(path)
-    return path / ASSETS_DIR if is_megatron_checkpoint(path) else path
-
-
-@dataclass(frozen=True)
-class ConvertedMetadata:
-    """The metadata file written next to a Megatron dist-checkpoint by `hf-to-mcore`.
-
-    padded_vocab_size: embedding rows in the checkpoint; it fixes which TP sizes can load it.
-    saved_tp / saved_pp: the layout it was written from (the torch_dist format is layout-free).
-    """
-
-    architecture: str
-    hf_config: dict[str, Any]
-    dtype: str
-    vocab_size: int
-    padded_vocab_size: int
-    asset_files: list[str]
-    saved_tp: int = 1
-    saved_pp: int = 1
-    format_version: int = FORMAT_VERSION
-
-    def write(self, ckpt_dir: Path) -> None:
-        (ckpt_dir / METADATA_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
-
-    @classmethod
-    def read(cls, ckpt_dir: str | Path) -> ConvertedMetadata:
-        path = Path(ckpt_dir) / METADATA_FILE
-        if not path.is_file():
-            raise CheckpointError(f"{ckpt_dir} is not a converted checkpoint: {METADATA_FILE} is missing")
-        try:
-            fields = json.loads(path.read_text())
-            return cls(**fields)
-        except (ValueError, TypeError) as exc:
-            raise CheckpointError(f"corrupt {path}: {exc}") from None
-
-    def hf_config_object(self) -> Any:
-        import transformers
-
-        fields = dict(self.hf_config)
-        model_type = fields.pop("model_type", None)
-        if model_type is None:
-            raise CheckpointError(f"{METADATA_FILE}: hf_config has no model_type")
-        return transformers.AutoConfig.for_model(model_type, **fields)
+# The checkpoint metadata lives in the library (rlhf_megatron.models.checkpoint_meta) so the
+# engines do not import this CLI package; it is re-exported here for the converter.
+from rlhf_megatron.models.checkpoint_meta import (  # noqa: F401
+    _OPTIMIZER_KEY,
+    _WEIGHT_SUFFIXES,
+    ASSETS_DIR,
+    DTYPES,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    ConvertedMetadata,
+    copy_hf_assets,
+    dtype_name,
+    hf_assets_dir,
+    is_megatron_checkpoint,
+    is_model_key,
+)
 
 
 def check_output_dir(out: Path, *, force: bool) -> None:
@@ -115,28 +53,6 @@ def atomic_output_dir(out: Path, *, force: bool) -> Iterator[Path]:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-
-
-def copy_hf_assets(hf_dir: Path, dest: Path) -> list[str]:
-    """Copy config, generation config and tokenizer files (every top-level non-weight file).
-    From a Megatron dist-checkpoint, its own `hf_assets/` are copied (an engine built from one
-    passes them on to its training checkpoints)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    copied = []
-    if is_megatron_checkpoint(hf_dir):
-        for name in ConvertedMetadata.read(hf_dir).asset_files:
-            if not (hf_dir / ASSETS_DIR / name).is_file():
-                raise CheckpointError(f"asset {hf_dir / ASSETS_DIR / name} listed in the "
-                                      "metadata is missing")
-            shutil.copy2(hf_dir / ASSETS_DIR / name, dest / name)
-            copied.append(name)
-        return copied
-    for path in sorted(hf_dir.iterdir()):
-        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) \
-                and path.name != "model.safetensors.index.json":
-            shutil.copy2(path, dest / path.name)
-            copied.append(path.name)
-    return copied
 
 
 @contextlib.contextmanager

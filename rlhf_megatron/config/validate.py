@@ -12,7 +12,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,
@@ -23,6 +22,7 @@ from rlhf_megatron.algorithms import (
 )
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
+from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 
 ALGORITHMS = ("grpo", "ppo")
 KL_MODES = ("loss", "reward", "none")

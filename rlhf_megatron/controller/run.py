@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.algorithms import build_kl_controller
 from rlhf_megatron.config import TrainConfig, config_to_dict, save_config, validate_config
 from rlhf_megatron.controller import phases
@@ -24,6 +23,7 @@ from rlhf_megatron.controller.metrics import build_metrics_logger
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.trainer import restore_checkpoint, train_steps
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
+from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.rewards import RewardManager
 
 

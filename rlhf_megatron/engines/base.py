@@ -103,7 +103,7 @@ class MegatronEngine:
     # ------------------------------------------------------------------ building
     @property
     def from_dist_checkpoint(self) -> bool:
-        from checkpoint_tools.common import is_megatron_checkpoint
+        from rlhf_megatron.models.checkpoint_meta import is_megatron_checkpoint
 
         return is_megatron_checkpoint(self.hf_dir)
 
@@ -111,7 +111,7 @@ class MegatronEngine:
         from rlhf_megatron.models.hf_checkpoint import load_hf_config
 
         if self.from_dist_checkpoint:
-            from checkpoint_tools.common import ConvertedMetadata
+            from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata
 
             return ConvertedMetadata.read(hf_dir).hf_config_object()
         return load_hf_config(hf_dir)

@@ -92,7 +92,7 @@ def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> 
 def _write_conversion_metadata(engine: Any, staging: Path) -> None:
     """The metadata `checkpoint_tools mcore-to-hf` reads, so a training checkpoint exports to HF
     like a converted one (config and tokenizer files are copied along)."""
-    from checkpoint_tools.common import ASSETS_DIR, ConvertedMetadata, copy_hf_assets
+    from rlhf_megatron.models.checkpoint_meta import ASSETS_DIR, ConvertedMetadata, copy_hf_assets
 
     assets = copy_hf_assets(engine.hf_dir, staging / ASSETS_DIR) if engine.hf_dir.is_dir() else []
     tc = engine.args.transformer_config

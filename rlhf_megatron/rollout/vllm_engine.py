@@ -56,7 +56,7 @@ class VllmRolloutEngine:
     update has brought the real ones (the trainer refits before step 1)."""
 
     def __init__(self, hf_dir: str | Path, config: RolloutConfig) -> None:
-        from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
+        from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
         from rlhf_megatron.models.hf_checkpoint import load_hf_config
 
         self.platform = current_platform()
