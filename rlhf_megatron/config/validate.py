@@ -20,6 +20,7 @@ from rlhf_megatron.algorithms import (
     POLICY_LOSSES,
     AlgorithmError,
 )
+from rlhf_megatron.config.roles import device_needs, megatron_roles  # noqa: F401
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
@@ -56,17 +57,6 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
         _check_model_fits(cfg, hf_config)
     _check_batches(cfg)
     return plan_devices(cfg)
-
-
-def megatron_roles(cfg: TrainConfig) -> list[tuple[str, Any]]:
-    """(role, section) of every Megatron engine the run builds; each section has .layout and
-    .engine."""
-    roles: list[tuple[str, Any]] = [("actor", cfg.actor)]
-    if cfg.uses_critic:
-        roles.append(("critic", cfg.critic))
-    if cfg.uses_reward_model:
-        roles.append(("reward_model", cfg.reward_model))
-    return roles
 
 
 def _engines(cfg: TrainConfig) -> list[tuple[str, Any]]:
@@ -245,12 +235,7 @@ def plan_devices(cfg: TrainConfig) -> DevicePlan:
         raise ConfigError(f"rollout.engine.tensor_parallel_size={rollout_tp} exceeds "
                           f"resources.devices_per_node={res.devices_per_node} (a vLLM engine "
                           "stays inside one node)")
-    needs = {"actor": cfg.actor.layout.world_size,
-             "rollout": cfg.rollout.num_engines * rollout_tp}
-    if cfg.uses_critic:
-        needs["critic"] = cfg.critic.layout.world_size
-    if cfg.uses_reward_model:
-        needs["reward_model"] = cfg.reward_model.layout.world_size
+    needs = device_needs(cfg)
     if res.mode == "colocated":
         for role, need in needs.items():
             if need > total:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_megatron.config.roles import device_needs
+from rlhf_megatron.config.roles import megatron_roles as config_megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.config.validate import plan_devices
 from rlhf_megatron.engines.config import EngineConfig
@@ -30,16 +32,11 @@ class MegatronRole:
 
 
 def megatron_roles(cfg: TrainConfig, shapes: dict[str, ModelShape]) -> list[MegatronRole]:
-    """actor (also the reference's layout), critic (PPO) and reward model (when configured)."""
-    roles = [MegatronRole("actor", cfg.actor.layout, cfg.actor.engine, shapes["actor"])]
-    if cfg.uses_critic:
-        roles.append(MegatronRole("critic", cfg.critic.layout, cfg.critic.engine,
-                                  shapes["critic"], value_head=True))
-    if cfg.uses_reward_model:
-        roles.append(MegatronRole("reward_model", cfg.reward_model.layout,
-                                  cfg.reward_model.engine, shapes["reward_model"],
-                                  value_head=True))
-    return roles
+    """actor (also the reference's layout), critic (PPO) and reward model (when configured);
+    built from config.roles.megatron_roles."""
+    return [MegatronRole(name, section.layout, section.engine, shapes[name],
+                         value_head=name != "actor")
+            for name, section in config_megatron_roles(cfg)]
 
 
 def longest_row(cfg: TrainConfig) -> int:
@@ -73,12 +70,7 @@ def check_pools(cfg: TrainConfig, cluster: Cluster) -> list[Finding]:
         return [Finding("error", "resources", str(exc))]
     findings = []
     if cfg.resources.mode == "colocated":
-        needs = {"actor": cfg.actor.layout.world_size,
-                 "rollout": cfg.rollout.num_engines * cfg.rollout.engine.tensor_parallel_size}
-        if cfg.uses_critic:
-            needs["critic"] = cfg.critic.layout.world_size
-        if cfg.uses_reward_model:
-            needs["reward_model"] = cfg.reward_model.layout.world_size
+        needs = device_needs(cfg)
         for role, need in needs.items():
             if need < plan.total:
                 findings.append(Finding("warning", role, f"uses {need} of the {plan.total} GPUs "

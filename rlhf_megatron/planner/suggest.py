@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_megatron.config.roles import MEGATRON_ROLES, megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.planner.cluster import Cluster, on_cluster
 from rlhf_megatron.planner.memory import GIB
@@ -49,13 +50,11 @@ def _divisors(n: int) -> list[int]:
 
 def _role_pools(cfg: TrainConfig, cluster: Cluster) -> dict[str, int]:
     """Devices each Megatron role may use: the whole cluster when colocated, else its pool."""
-    present = {"actor": True, "critic": cfg.uses_critic, "reward_model": cfg.uses_reward_model}
     pools = {}
-    for role in _ROLES:
-        if present[role]:
-            given = getattr(cfg.resources, f"{role}_devices")
-            world = getattr(cfg, role).layout.world_size
-            pools[role] = cluster.gpus if cfg.resources.mode == "colocated" else (given or world)
+    for role, section in megatron_roles(cfg):
+        given = getattr(cfg.resources, f"{role}_devices")
+        world = section.layout.world_size
+        pools[role] = cluster.gpus if cfg.resources.mode == "colocated" else (given or world)
     return pools
 
 
@@ -163,7 +162,7 @@ def suggest_layout(cfg: TrainConfig, cluster: Cluster, shapes: dict[str, ModelSh
 def overrides_between(before: TrainConfig, after: TrainConfig) -> list[str]:
     """`key=value` overrides that turn `before` into `after` (for the fields the search sets)."""
     keys = ["resources.nodes", "resources.devices_per_node"]
-    for role in _ROLES:
+    for role in MEGATRON_ROLES:
         keys += [f"{role}.layout.{name}" for name in ("tp", "pp", "vpp", "cp", "dp")]
         keys += [f"{role}.engine.recompute_activations",
                  f"{role}.engine.optimizer.use_distributed_optimizer"]

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.config.roles import MEGATRON_ROLES as ROLES
 from rlhf_megatron.data.batch import TokenBatch
-
-ROLES = ("actor", "critic", "reward_model")
 
 
 @dataclass(frozen=True)
