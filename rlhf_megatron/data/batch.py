@@ -14,6 +14,34 @@ import torch
 
 from rlhf_megatron.errors import ConfigError
 
+BATCH_FIELDS: dict[str, str] = {
+    "prompt_index": "(bs,) int64: which prompt of the step a row answers (the GRPO group id)",
+    "rollout_logprobs": "(bs, S): log-probs vLLM sampled with (the behaviour policy)",
+    "old_logprobs": "(bs, S): the actor's log-probs before the update (the PPO ratio's base)",
+    "ref_logprobs": "(bs, S): the frozen reference's log-probs (the KL term)",
+    "values": "(bs, S): the critic's value estimates",
+    "token_level_rewards": "(bs, S): rewards per token (score at the last token, minus KL)",
+    "advantages": "(bs, S): advantages of the configured estimator",
+    "returns": "(bs, S): returns (the critic's targets)",
+}
+"""The batch fields the controller's phases produce, by name: producer and shape."""
+
+
+class _Field:
+    """`batch.<name>`: the `fields` entry of that name, or None when no phase has added it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, batch: TokenBatch | None, owner: type) -> torch.Tensor | None:
+        if batch is None:
+            return self  # type: ignore[return-value]
+        return batch.fields.get(self.name)
+
+    def __set__(self, batch: TokenBatch, value: torch.Tensor) -> None:
+        raise AttributeError(f"batch.{self.name} is read-only; use batch.with_fields("
+                             f"{self.name}=...)")
+
 
 @dataclass
 class TokenBatch:
@@ -22,14 +50,25 @@ class TokenBatch:
     input_ids: (bs, S) int64.
     attention_mask: (bs, S); 1 = real token, 0 = padding (padding only at the end of a row).
     loss_mask: (bs, S); 1 = a token whose log-prob is scored or trained (the response), else 0.
-    fields: extra tensors with leading dim bs, e.g. "old_logprobs" (bs, S), "advantages" (bs, S),
-        "ref_logprobs" (bs, S), "returns" (bs, S), "values" (bs, S).
+    fields: extra tensors with leading dim bs, by name. The named ones below (BATCH_FIELDS) are
+        also read as attributes, `batch.old_logprobs` (None until a phase adds it); set them with
+        `batch.with_fields(old_logprobs=...)`. Other names stay plain `fields` entries.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    # Named optional fields (read-only views of `fields`); shapes as in BATCH_FIELDS.
+    prompt_index = _Field()
+    rollout_logprobs = _Field()
+    old_logprobs = _Field()
+    ref_logprobs = _Field()
+    values = _Field()
+    token_level_rewards = _Field()
+    advantages = _Field()
+    returns = _Field()
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
