@@ -6,7 +6,9 @@ Runs before Ray or any engine starts, so a bad config costs a second, not a clus
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,6 +52,8 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
     _wrap("reward", cfg.reward.validate)
     _wrap("rollout.sampling", cfg.rollout.sampling.validate)
     _wrap("rollout.val_sampling", cfg.rollout.val_sampling.validate)
+    check_finite(cfg)
+    check_layout_values(cfg)
     if check_paths:
         _check_paths(cfg)
     hf_config = model_hf_config(cfg, check_paths=check_paths)
@@ -124,6 +128,10 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if cfg.rollout.num_engines < 1 or cfg.rollout.bucket_mb < 1:
         raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}, bucket_mb="
                           f"{cfg.rollout.bucket_mb}: both must be >= 1")
+    blocker = next((p for p in (Path(t.run_dir), *Path(t.run_dir).parents)
+                    if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"trainer.run_dir={t.run_dir}: {blocker} is a file, not a directory")
     _one_of("rollout.refit_transport", cfg.rollout.refit_transport, ("auto", "local", "broadcast"))
     if cfg.ray.startup_timeout_s <= 0:
         raise ConfigError(f"ray.startup_timeout_s={cfg.ray.startup_timeout_s} must be > 0")
@@ -255,3 +263,34 @@ def plan_devices(cfg: TrainConfig) -> DevicePlan:
         raise ConfigError(f"split pools need {detail} = {sum(pools.values())} devices but "
                           f"resources give {total} ({res.nodes} nodes x {res.devices_per_node})")
     return DevicePlan(total, pools, {role: role for role in pools})
+
+
+def check_finite(value: Any, key: str = "") -> None:
+    """Every float in the config tree is finite: a NaN or infinite value (``optimizer.lr=.nan``)
+    is a ConfigError naming its dotted key, found before Ray starts."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            check_finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            check_finite(item, f"{key}.{name}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_finite(item, f"{key}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value}: must be a finite number")
+
+
+def check_layout_values(cfg: TrainConfig) -> None:
+    """Layout sizes are positive integers: ``actor.layout.tp=0`` is bad input (exit 2), not a
+    layout that "does not fit"."""
+    sections = [("actor", cfg.actor), ("critic", cfg.critic), ("reward_model", cfg.reward_model)]
+    values = [(f"{role}.layout.{name}", getattr(section.layout, name))
+              for role, section in sections for name in ("tp", "pp", "cp", "dp", "vpp")]
+    values += [("rollout.engine.tensor_parallel_size", cfg.rollout.engine.tensor_parallel_size),
+               ("rollout.num_engines", cfg.rollout.num_engines)]
+    for key, value in values:
+        if value is None and key.endswith(".vpp"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r}: must be a positive integer")

@@ -144,6 +144,8 @@ def _to_row(
 
 def _check_prompt(prompt: Any, origin: str, key: str) -> Prompt:
     if isinstance(prompt, str):
+        if not prompt.strip():  # vLLM rejects it only when its row is sampled
+            raise ConfigError(f"{origin}: field {key!r} is an empty prompt {prompt!r}")
         return prompt
     if isinstance(prompt, list) and prompt and all(
         isinstance(m, Mapping) and isinstance(m.get("role"), str)
@@ -181,11 +183,13 @@ def tokenize_prompts(
     token_ids = []
     for row in rows:
         ids = _tokenize_one(row, tokenizer, use_chat_template)
+        if not ids:
+            raise ConfigError(f"{row.origin}: the prompt tokenises to no tokens")
         if len(ids) > max_prompt_tokens:
             if truncate == "error":
                 raise ConfigError(
                     f"{row.origin}: prompt has {len(ids)} tokens, more than max_prompt_tokens="
-                    f"{max_prompt_tokens}; raise the limit, shorten the prompt or use truncate='left'"
+                    f"{max_prompt_tokens}; raise data.max_prompt_length or shorten the prompt"
                 )
             ids = ids[-max_prompt_tokens:]
         token_ids.append(ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from rlhf_megatron.config.schema import TrainConfig
@@ -19,7 +20,8 @@ class Cluster:
     """Memory of one GPU in GiB (a card sold as "80 GB" reports about 79.6 GiB)."""
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1 or self.gpu_mem_gib <= 0:
+        if self.nodes < 1 or self.gpus_per_node < 1 or not (
+                math.isfinite(self.gpu_mem_gib) and self.gpu_mem_gib > 0):
             raise ConfigError(f"cluster nodes={self.nodes}, gpus_per_node={self.gpus_per_node}, "
                               f"gpu_mem_gb={self.gpu_mem_gib}: all must be positive")
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 _DESCRIPTION = """\
@@ -27,12 +28,16 @@ Formulas and assumptions: docs/PLANNER.md. Exit status: 0 fits, 1 does not fit, 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from rlhf_megatron.config import load_config, validate_config
+    from rlhf_megatron.config.validate import check_finite, check_layout_values
     from rlhf_megatron.planner.cluster import Cluster, on_cluster
     from rlhf_megatron.planner.plan import plan_config
     from rlhf_megatron.planner.report import render
 
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb)
     cfg = load_config(args.config, args.overrides)
+    # Bad input (NaN, a zero layout) exits 2 here instead of being planned as "does not fit".
+    check_finite(cfg)
+    check_layout_values(cfg)
     report = plan_config(cfg, cluster, suggest=not args.no_suggest)
     print(render(report, source=args.config))
     if not report.fits:
@@ -40,6 +45,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # The layout fits; the rest of the config must still be valid (bad input exits 2).
     validate_config(on_cluster(cfg, cluster), check_paths=False)
     return 0
+
+
+def _positive_gib(text: str) -> float:
+    """argparse type of --gpu-mem-gb: a finite number > 0 (nan and inf are bad input)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of GiB > 0")
+    return value
 
 
 def add_plan_parser(commands: Any) -> None:
@@ -50,7 +66,7 @@ def add_plan_parser(commands: Any) -> None:
     plan.add_argument("--config", required=True, help="YAML training config (see configs/)")
     plan.add_argument("--nodes", type=int, required=True, help="number of nodes")
     plan.add_argument("--gpus-per-node", type=int, required=True, help="GPUs in each node")
-    plan.add_argument("--gpu-mem-gb", type=float, required=True,
+    plan.add_argument("--gpu-mem-gb", type=_positive_gib, required=True,
                       help="memory of one GPU in GiB (e.g. 80 for H100/A100 80GB)")
     plan.add_argument("--no-suggest", action="store_true",
                       help="do not search for a fitting layout when the config does not fit")

@@ -150,8 +150,8 @@ def _fitting(cfg: TrainConfig, cluster: Cluster, shapes: dict[str, ModelShape],
 def suggest_layout(cfg: TrainConfig, cluster: Cluster, shapes: dict[str, ModelShape],
                    hf: Any) -> Suggestion | None:
     """The first fitting candidate (module docstring), or None when none fits the cluster."""
+    if cluster.gpu_mem_gib <= HEADROOM_GIB:  # no room once the headroom is kept free
     tighter = dataclasses.replace(cluster, gpu_mem_gib=cluster.gpu_mem_gib - HEADROOM_GIB)
-    if tighter.gpu_mem_gib <= 0:
         return None
     for report in _fitting(on_cluster(cfg, tighter), tighter, shapes, hf):
         final = evaluate(report.cfg, cluster, shapes, hf)

@@ -1,0 +1,90 @@
+"""Bad input found before Ray starts (issue 18 item 5): one line, exit 2, naming the key/row.
+In-process through the CLI's `main` where the CLI is what a user runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhf_megatron.cli import main
+from rlhf_megatron.config import load_config, validate_config
+from rlhf_megatron.data.prompts import PromptDataset, PromptRow, tokenize_prompts
+from rlhf_megatron.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart_cpu.yaml"
+
+
+def _plan(capsys, *args: str) -> tuple[int, str]:
+    try:
+        code = main(["plan", "--config", str(QUICKSTART), "--nodes", "1", "--gpus-per-node", "2",
+                     *args])
+    except SystemExit as exc:  # argparse rejects the value itself
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines()[-1] if captured.err.strip() else ""
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0"])
+def test_plan_rejects_a_non_finite_gpu_memory(capsys, value):
+    code, line = _plan(capsys, f"--gpu-mem-gb={value}")
+    assert code == 2 and "--gpu-mem-gb" in line and value in line, line
+
+
+def test_plan_with_little_memory_does_not_invent_a_value(capsys):
+    code, line = _plan(capsys, "--gpu-mem-gb", "1.5")
+    assert code in (0, 1), line  # a verdict, not an error about -0.5
+    assert "-0.5" not in line
+
+
+@pytest.mark.parametrize("override, key", [("actor.layout.tp=0", "actor.layout.tp=0"),
+                                           ("actor.layout.dp=-1", "actor.layout.dp=-1"),
+                                           ("actor.engine.optimizer.lr=.nan", "optimizer.lr=nan")])
+def test_plan_bad_values_exit_2(capsys, override, key):
+    code, line = _plan(capsys, "--gpu-mem-gb", "80", override)
+    assert code == 2 and line.startswith("rlhf-megatron: error:") and key in line, line
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("actor.engine.optimizer.lr=.nan", "actor.engine.optimizer.lr=nan: must be a finite"),
+    ("algorithm.kl_coef=.inf", "algorithm.kl_coef=inf"),
+    ("actor.layout.tp=0", "actor.layout.tp=0: must be a positive integer"),
+    ("rollout.num_engines=0", "rollout.num_engines=0"),
+])
+def test_validate_rejects_non_finite_and_zero_layouts(override, needle):
+    cfg = load_config(QUICKSTART, [override])
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        validate_config(cfg, check_paths=False)
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for run_dir in (blocker, blocker / "sub"):
+        cfg = load_config(QUICKSTART, [f"trainer.run_dir={run_dir}"])
+        with pytest.raises(ConfigError, match=f"{blocker} is a file"):
+            validate_config(cfg, check_paths=False)
+
+
+def test_empty_prompt_names_its_row(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
+                    + json.dumps({"prompt": "  ", "answer": "3"}) + "\n")
+    with pytest.raises(ConfigError, match=r"d\.jsonl line 2: field 'prompt' is an empty prompt"):
+        PromptDataset.from_file(data)
+
+
+class _Tok:
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": list(range(len(text.split())))}
+
+
+def test_long_prompt_hint_names_a_real_key():
+    rows = [PromptRow("a b c d e", "x", "src", "f.jsonl line 1")]
+    with pytest.raises(ConfigError) as info:
+        tokenize_prompts(rows, _Tok(), use_chat_template=False, max_prompt_tokens=2)
+    assert "data.max_prompt_length" in str(info.value)
+    cfg = load_config(QUICKSTART, ["data.max_prompt_length=3"])  # the key the hint names exists
+    assert cfg.data.max_prompt_length == 3
