@@ -11,6 +11,8 @@ Families, each with one signature and a registry (``REGISTRY.get(name)``; an unk
     ``KL_CONTROLLERS``: fixed, adaptive.
   * loss aggregation modes ``AGGREGATION_MODES``: token-mean, seq-mean-token-sum,
     seq-mean-token-mean, seq-mean-token-sum-norm, normalised by the *global* batch.
+  * rollout correction (``rollout_correction.py``): token/sequence TIS, MIS, icepop token
+    masking, geometric-mean sequence rejection (``compute_rollout_correction``), with metrics.
 Plus the clipped value loss, entropy from logits and masked statistics.
 
 Shapes: ``(bs, T)`` per token (T = padded response length), ``(bs,)`` per sequence.
@@ -67,6 +69,11 @@ from rlhf_megatron.algorithms.policy_losses import (
     compute_policy_loss,
 )
 from rlhf_megatron.algorithms.registry import Registry
+from rlhf_megatron.algorithms.rollout_correction import (
+    RolloutCorrection,
+    RolloutCorrectionConfig,
+    compute_rollout_correction,
+)
 from rlhf_megatron.algorithms.stats import masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf_megatron.algorithms.value_loss import compute_value_loss
 
@@ -96,6 +103,8 @@ __all__ = [
     "PolicyLossFn",
     "PolicyLossInputs",
     "Registry",
+    "RolloutCorrection",
+    "RolloutCorrectionConfig",
     "ShapeMismatchError",
     "UnknownNameError",
     "aggregate_loss",
@@ -107,6 +116,7 @@ __all__ = [
     "compute_kl_loss",
     "compute_loss_normalizer",
     "compute_policy_loss",
+    "compute_rollout_correction",
     "compute_value_loss",
     "entropy_from_logits",
     "group_ids_from_uids",

@@ -25,7 +25,10 @@ Registered losses (verl ``core_algos`` names):
 Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings
 you off-policy RL training"): with ``config.tis_cap`` set, each token's loss is multiplied by the
 detached ``min(exp(old_logprob - rollout_logprob), tis_cap)``, correcting the mismatch between
-the inference engine's and the trainer's log-probs (verl ``tis_imp_ratio_cap``).
+the inference engine's and the trainer's log-probs (verl ``tis_imp_ratio_cap``); the weight is
+``rollout_correction.truncated_is_weights`` at token level. The wider family (sequence-level TIS,
+MIS, icepop, geometric-mean rejection) is ``rollout_correction.compute_rollout_correction``; its
+weights come in as ``inputs.is_weights`` and multiply each token's loss the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from rlhf_megatron.algorithms._checks import validated_mask, zero_padding
 from rlhf_megatron.algorithms.aggregation import LossAggregation
 from rlhf_megatron.algorithms.errors import InvalidConfigError, MissingInputError
 from rlhf_megatron.algorithms.registry import Registry
+from rlhf_megatron.algorithms.rollout_correction import truncated_is_weights
 from rlhf_megatron.algorithms.stats import _mean
 
 LOG_RATIO_CLAMP = 20.0  # vanilla: verl clamps logp - old to [-20, 20] before exp
@@ -55,6 +59,8 @@ class PolicyLossInputs:
         advantages: per-token advantages.
         response_mask: 1 = real response token, 0 = padding.
         rollout_log_prob: the inference engine's log-probs of the same tokens (TIS; optional).
+        is_weights: precomputed detached per-token IS weights (rollout correction; optional),
+            multiplied into each token's loss (after TIS, if both are given).
     """
 
     log_prob: torch.Tensor
@@ -62,6 +68,7 @@ class PolicyLossInputs:
     advantages: torch.Tensor
     response_mask: torch.Tensor
     rollout_log_prob: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ class _Prepared:
     log_prob: torch.Tensor
     old_log_prob: torch.Tensor
     advantages: torch.Tensor
-    tis_weight: torch.Tensor | None  # detached (bs, T), or None when TIS is off
+    tis_weight: torch.Tensor | None  # detached (bs, T) TIS x is_weights, or None when both off
     metrics: dict[str, torch.Tensor]
 
 
@@ -156,6 +163,7 @@ def _prepare(inputs: PolicyLossInputs, config: PolicyLossConfig) -> _Prepared:
         old_log_prob=inputs.old_log_prob,
         advantages=inputs.advantages,
         rollout_log_prob=inputs.rollout_log_prob,
+        is_weights=inputs.is_weights,
     )
     old = zero_padding(inputs.old_log_prob.detach(), mask)
     metrics: dict[str, torch.Tensor] = {}
@@ -164,9 +172,12 @@ def _prepare(inputs: PolicyLossInputs, config: PolicyLossConfig) -> _Prepared:
         diff = old - zero_padding(inputs.rollout_log_prob.detach(), mask)
         metrics["rollout_kl"] = _mean(diff, mask)
         if config.tis_cap is not None:
-            tis_weight = torch.clamp(diff.exp(), max=config.tis_cap)
+            tis_weight = truncated_is_weights(diff, mask, "token", config.tis_cap)
         weight = tis_weight if tis_weight is not None else torch.ones_like(diff)
         metrics["tis_weight_mean"] = _mean(weight, mask)
+    if inputs.is_weights is not None:
+        extra = zero_padding(inputs.is_weights.detach(), mask)
+        tis_weight = extra if tis_weight is None else tis_weight * extra
     return _Prepared(
         mask=mask,
         log_prob=zero_padding(inputs.log_prob, mask),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf_megatron.algorithms import AdvantageConfig, PolicyLossConfig
+from rlhf_megatron.algorithms import AdvantageConfig, PolicyLossConfig, RolloutCorrectionConfig
 from rlhf_megatron.engines.config import EngineConfig
 from rlhf_megatron.parallel.dims import ParallelDims
 from rlhf_megatron.rewards.manager import RewardConfig
@@ -86,6 +86,8 @@ class AlgorithmSection:
     policy_loss_config: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     aggregation: str = "token-mean"
     """Loss aggregation over the global batch (AGGREGATION_MODES)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """IS weights / rejection for the vLLM-vs-trainer mismatch (off by default; ALGORITHMS.md)."""
     entropy_coeff: float = 0.0
     kl_mode: str = "loss"
     """'loss' (KL term in the actor loss), 'reward' (per-token KL penalty in the reward) or

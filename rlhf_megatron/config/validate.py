@@ -90,6 +90,9 @@ def _check_algorithm(cfg: TrainConfig) -> None:
     _one_of("algorithm.kl_mode", alg.kl_mode, KL_MODES)
     _one_of("algorithm.kl_kind", alg.kl_kind, KL_ESTIMATORS.names())
     _one_of("algorithm.kl_controller", alg.kl_controller, KL_CONTROLLERS.names())
+    if alg.policy_loss_config.tis_cap is not None and alg.rollout_correction.is_level:
+        raise ConfigError("algorithm.policy_loss_config.tis_cap and algorithm.rollout_correction."
+                          "is_level are both set: use one IS weight")
     if alg.kl_controller == "adaptive" and alg.kl_mode != "reward":
         raise ConfigError("algorithm.kl_controller='adaptive' needs algorithm.kl_mode='reward'")
     if alg.kl_coef < 0 or alg.entropy_coeff < 0:

@@ -232,7 +232,8 @@ def policy_settings(cfg: TrainConfig) -> PolicyUpdateSettings:
     return PolicyUpdateSettings(
         loss=alg.policy_loss, loss_config=alg.policy_loss_config, aggregation=alg.aggregation,
         entropy_coeff=alg.entropy_coeff,
-        kl_loss_coeff=alg.kl_coef if alg.kl_mode == "loss" else 0.0, kl_loss_kind=alg.kl_kind)
+        kl_loss_coeff=alg.kl_coef if alg.kl_mode == "loss" else 0.0, kl_loss_kind=alg.kl_kind,
+        rollout_correction=alg.rollout_correction)
 
 
 def update_actor(run: Run, batch: TokenBatch) -> dict[str, float]:

@@ -17,9 +17,12 @@ from rlhf_megatron.algorithms import (
     LossNormalizer,
     PolicyLossConfig,
     PolicyLossInputs,
+    RolloutCorrection,
+    RolloutCorrectionConfig,
     compute_kl_loss,
     compute_loss_normalizer,
     compute_policy_loss,
+    compute_rollout_correction,
 )
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.packing import unpack_rows
@@ -44,6 +47,8 @@ class PolicyUpdateSettings:
     kl_loss_coeff: float = 0.0
     """KL-as-loss against batch field 'ref_logprobs' (0 disables)."""
     kl_loss_kind: str = "low_var_kl"
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """IS weights / rejection from batch field 'rollout_logprobs' (behaviour) to 'old_logprobs'."""
 
 
 def token_values_from_logits(
@@ -110,16 +115,21 @@ class ActorEngine(ReferenceEngine):
         """One optimizer step on this DP rank's share of the global batch.
 
         batch.fields must hold 'old_logprobs' and 'advantages' (bs, S); optionally
-        'rollout_logprobs' (for TIS) and 'ref_logprobs' (for the KL loss).
-        Returns metrics averaged over micro-batches and DP ranks, plus grad_norm and lr.
+        'rollout_logprobs' (for TIS and rollout correction) and 'ref_logprobs' (for the KL loss).
+        With rollout correction on, rejected tokens leave the loss mask of every term and the
+        global normaliser. Returns metrics averaged over micro-batches and DP ranks, plus
+        grad_norm and lr.
         """
+        correcting = settings.rollout_correction.enabled
         for name in ("old_logprobs", "advantages") + (
             ("ref_logprobs",) if settings.kl_loss_coeff else ()
-        ):
+        ) + (("rollout_logprobs",) if correcting else ()):
             if name not in batch.fields:
                 raise ConfigError(f"update_policy needs batch field {name!r}")
         micro_batches = self.make_micro_batches(batch)
-        normaliser = self._global_normaliser(micro_batches)
+        corrections = [self._correction(m, settings) for m in micro_batches] if correcting else []
+        correction_of = {id(m): c for m, c in zip(micro_batches, corrections)}
+        normaliser = self._global_normaliser(micro_batches, corrections)
         aggregation = LossAggregation(settings.aggregation, normaliser, settings.loss_scale_factor)
         scale = self.loss_scale_for_sum(len(micro_batches))
         need_entropy = True  # reported as a metric even without a bonus
@@ -127,15 +137,21 @@ class ActorEngine(ReferenceEngine):
         def policy_loss(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             lp, entropy = token_values_from_logits(self, micro, logits, compute_entropy=need_entropy)
             rows, mask = micro.rows, micro.rows.loss_mask
+            correction = correction_of.get(id(micro))
+            if correction is not None:
+                mask = correction.mask
             inputs = PolicyLossInputs(
                 log_prob=lp, old_log_prob=rows.fields["old_logprobs"],
                 advantages=rows.fields["advantages"], response_mask=mask,
                 rollout_log_prob=rows.fields.get("rollout_logprobs"),
+                is_weights=None if correction is None else correction.weights,
             )
             loss, metrics = compute_policy_loss(
                 settings.loss, inputs, settings.loss_config, aggregation
             )
             entropy_term = aggregation.apply(entropy, mask)
+            if correction is not None:
+                metrics = {**metrics, **correction.metrics}
             values = {k: float(v) for k, v in metrics.items()}
             values["pg_loss"] = float(loss.detach())  # the policy loss alone, without the bonus
             values["entropy"] = float(entropy_term.detach())
@@ -154,8 +170,21 @@ class ActorEngine(ReferenceEngine):
         metrics.update(self.optimizer_step())
         return metrics
 
-    def _global_normaliser(self, micro_batches: list[MicroBatch]) -> LossNormalizer:
+    @staticmethod
+    def _correction(micro: MicroBatch, settings: PolicyUpdateSettings) -> RolloutCorrection:
+        """Rollout correction of one micro-batch: behaviour = vLLM's log-probs, target = old."""
+        rows = micro.rows
+        return compute_rollout_correction(
+            rows.fields["old_logprobs"], rows.fields["rollout_logprobs"], rows.loss_mask,
+            settings.rollout_correction,
+        )
+
+    def _global_normaliser(
+        self, micro_batches: list[MicroBatch], corrections: list[RolloutCorrection] = ()
+    ) -> LossNormalizer:
+        """Token and sequence counts of the global batch (after rollout-correction rejection)."""
         local = LossNormalizer(0.0, 0.0)
-        for micro in micro_batches:
-            local = local + compute_loss_normalizer(micro.rows.loss_mask)
+        masks = [c.mask for c in corrections] or [m.rows.loss_mask for m in micro_batches]
+        for mask in masks:
+            local = local + compute_loss_normalizer(mask)
         return LossNormalizer.from_tensor(self.all_reduce_dp(local.to_tensor()))

@@ -41,17 +41,24 @@ CASES = {
                                 kl_loss_coeff=0.2, kl_loss_kind="kl", tis_cap=1.2),
     "vanilla-abs-sumnorm": dict(loss="vanilla", aggregation="seq-mean-token-sum-norm",
                                 loss_scale_factor=12.0, kl_loss_coeff=0.4, kl_loss_kind="abs"),
+    # rollout correction: sequence TIS + icepop token masking + geometric-mean rejection
+    "vanilla-k3-rollout-correction": dict(
+        loss="vanilla", aggregation="seq-mean-token-mean", entropy_coeff=0.1, kl_loss_coeff=0.3,
+        kl_loss_kind="low_var_kl",
+        rollout_correction=dict(is_level="sequence", is_cap=1.15, icepop_low=0.75,
+                                icepop_high=1.3, geo_high=1.12)),
 }
 
 
 def _settings(case: dict):
-    from rlhf_megatron.algorithms import PolicyLossConfig
+    from rlhf_megatron.algorithms import PolicyLossConfig, RolloutCorrectionConfig
     from rlhf_megatron.engines import PolicyUpdateSettings
 
     fields = dict(case)
     loss_config = PolicyLossConfig(clip_ratio=CLIP, clip_ratio_c=DUAL_CLIP,
                                    tis_cap=fields.pop("tis_cap", None))
-    return PolicyUpdateSettings(loss_config=loss_config, **fields)
+    correction = RolloutCorrectionConfig(**fields.pop("rollout_correction", {}))
+    return PolicyUpdateSettings(loss_config=loss_config, rollout_correction=correction, **fields)
 
 
 # ---------------------------------------------------------------------------- the hand reference
@@ -112,14 +119,15 @@ def _aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, scale: float
 def _micro_batch_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     """Token mean per micro-batch of MICRO_BATCH rows, averaged over micro-batches (how the
     engine reports its non-loss metrics)."""
-    means = [(v * m).sum() / m.sum() for v, m in zip(values.split(MICRO_BATCH),
-                                                       mask.split(MICRO_BATCH))]
+    means = [(v * m).sum() / m.sum().clamp(min=1)
+             for v, m in zip(values.split(MICRO_BATCH), mask.split(MICRO_BATCH))]
     return float(torch.stack(means).mean())
 
 
 def _hand_loss(lp, ent, fields, mask, case: dict) -> tuple[torch.Tensor, dict[str, float]]:
     """The whole loss of one update, from the formulas; also the metrics the engine reports."""
     old, adv = fields["old_logprobs"], fields["advantages"]
+    rc_weight, mask, corrected = _hand_correction(fields, mask, case.get("rollout_correction"))
     if case["loss"] == "vanilla":
         ratio = torch.exp(torch.where(mask > 0, lp - old, torch.zeros_like(lp)))
         mode = case["aggregation"]
@@ -137,6 +145,9 @@ def _hand_loss(lp, ent, fields, mask, case: dict) -> tuple[torch.Tensor, dict[st
         per_token = per_token * weight
         metrics["tis_weight_mean"] = _micro_batch_mean(weight, mask)
         metrics["rollout_kl"] = _micro_batch_mean(old - fields["rollout_logprobs"], mask)
+    if corrected:
+        per_token = per_token * rc_weight
+        metrics.update(corrected)
     scale = case.get("loss_scale_factor")
     pg_loss = _aggregate(per_token, mask, mode, scale)
     entropy = _aggregate(ent, mask, case["aggregation"], scale)
@@ -148,6 +159,22 @@ def _hand_loss(lp, ent, fields, mask, case: dict) -> tuple[torch.Tensor, dict[st
              + case.get("kl_loss_coeff", 0.0) * kl_loss)
     metrics.update(pg_loss=pg_loss.item(), entropy=entropy.item(), kl_loss=kl_loss.item())
     return total, metrics
+
+
+def _hand_correction(fields, mask, rc: dict | None):
+    """Sequence TIS weight, then icepop and geometric-mean rejection, from their formulas.
+    Returns (weight, corrected mask, metrics); rejected tokens leave every loss term."""
+    if not rc:
+        return None, mask, {}
+    d = (fields["old_logprobs"] - fields["rollout_logprobs"]) * mask
+    weight = torch.exp(d.sum(-1, keepdim=True)).clamp(max=rc["is_cap"]).expand_as(d)
+    rho = torch.exp(d)
+    keep = mask * ((rho >= rc["icepop_low"]) & (rho <= rc["icepop_high"]))
+    geo = torch.exp(d.sum(-1) / mask.sum(-1))
+    keep = keep * ((geo >= 1 / rc["geo_high"]) & (geo <= rc["geo_high"]))[:, None]
+    masked = _micro_batch_mean(mask - keep, mask)
+    assert 0.1 < masked < 0.9, masked  # both rejections and kept tokens are exercised
+    return weight, keep, {"rollout_corr/masked_frac": masked}
 
 
 def _reference_step(hf_dir: str, batch, case: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -173,6 +200,9 @@ def _without(case: dict) -> dict[str, dict]:
         variants["entropy_coeff"] = {**case, "entropy_coeff": 0.0}
     if case.get("tis_cap") is not None:
         variants["tis_cap"] = {**case, "tis_cap": None}
+    if case.get("rollout_correction"):
+        variants["rollout_correction"] = {k: v for k, v in case.items()
+                                          if k != "rollout_correction"}
     if case["loss"] == "gspo":
         variants["gspo"] = {**case, "loss": "vanilla", "aggregation": "seq-mean-token-mean"}
     return variants
