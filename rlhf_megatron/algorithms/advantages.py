@@ -6,10 +6,15 @@ positions. Look one up with ``ADVANTAGE_ESTIMATORS.get(name)`` or call
 :func:`compute_advantages`; the trainer never special-cases an estimator. An estimator that needs
 an optional input (``values``, ``group_ids``, ``baseline_rewards``) raises ``MissingInputError``.
 
-Mask convention: ``response_mask`` 1 = real response token, 0 = padding. Rewards, values and
-baselines at padding positions are ignored (they may hold NaN). Outcome estimators (grpo, rloo,
-reinforce_plus_plus_baseline, remax) use the sequence score ``sum_t rewards * mask``. An empty
-response (all-zero mask) has score 0, still counts as a member of its group, and gets advantage 0.
+Mask convention: ``response_mask`` 1 = real response (assistant) token, 0 = padding or a token
+the policy did not produce (prompt, tool output, observation of a multi-turn episode). Rewards,
+values and baselines at mask-0 positions are ignored (they may hold NaN): token- and turn-level
+rewards must sit on assistant tokens (e.g. the last token of each turn). Outcome estimators (grpo,
+rloo, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk) use the episode score
+``sum_t rewards * mask``, so one row is one episode however many turns it has. An empty response
+(all-zero mask) has score 0, still counts as a member of its group, and gets advantage 0.
+Every estimator is invariant to removing a mask-0 span from inside a row: the values on the
+assistant tokens do not change (tests/unit/algorithms/test_algo_advantages.py checks each).
 
 verl conventions (``verl/trainer/ppo/core_algos.py``), kept so verl hyperparameters carry over:
   * gae: advantages are whitened over the batch (``masked_whiten``); ``returns = A_raw + V``.
@@ -19,8 +24,10 @@ verl conventions (``verl/trainer/ppo/core_algos.py``), kept so verl hyperparamet
     std 1, so the advantage is the raw score. All-equal rewards: advantage 0.
   * rloo: ``(s - mean) * n / (n - 1)`` = s minus the mean of the *other* samples; a group of one
     keeps its raw score.
-  * reinforce_plus_plus: discounted return-to-go, reset at every masked position, whitened over
-    the batch; ``returns`` are the un-whitened returns.
+  * reinforce_plus_plus: discounted return-to-go over the *real* tokens: masked positions are
+    skipped (the running return is carried across them undiscounted), whitened over the batch;
+    ``returns`` are the un-whitened returns. (verl first reset the return at every masked token,
+    which gave earlier turns of a multi-turn episode no credit for the outcome; fixed there too.)
   * reinforce_plus_plus_baseline: ``s - group mean`` (group of one: mean 0) broadcast to every
     token, then whitened over the batch.
   * remax: return-to-go minus the greedy rollout's score; no whitening.
@@ -244,16 +251,17 @@ def reinforce_plus_plus_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): token-level discounted returns, batch-whitened.
 
-    ``G_t = r_t + gamma * G_{t+1}``, with the running return reset to 0 at masked positions
-    (verl). Returns ``(masked_whiten(G), G)``, both (bs, T).
+    ``G_t = r_t + gamma * G_next`` where "next" is the next *real* token: mask-0 positions
+    (padding, tool observations) are skipped, the running return carried across them. Example:
+    mask [1, 0, 1], rewards [0, 0, 1], gamma 0.99 -> G = [0.99, 0, 1].
+    Returns ``(masked_whiten(G), G)``, both (bs, T).
     """
     mask, rewards = _prepare(inputs, "reinforce_plus_plus")
     returns = torch.zeros_like(rewards)
     running = rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + config.gamma * running
+        running = torch.where(mask[:, t], rewards[:, t] + config.gamma * running, running)
         returns[:, t] = running
-        running = torch.where(mask[:, t], running, torch.zeros_like(running))
     returns = zero_padding(returns, mask)
     return _whiten(returns, mask), returns
 

@@ -204,12 +204,18 @@ def test_reinforce_plus_plus_by_hand() -> None:
     assert torch.all(adv[~mask.bool()] == 0)
 
 
-def test_reinforce_plus_plus_resets_the_return_at_masked_positions() -> None:
-    """verl convention: the running return restarts after every masked token."""
+def test_reinforce_plus_plus_carries_the_return_across_masked_positions() -> None:
+    """Issue 15's example: an observation span between two turns neither resets nor discounts
+    the return (the old convention reset it to 0 and gave [0, 0, 1])."""
+    rewards, mask = t([[0.0, 0.0, 1.0]]), t([[1, 0, 1]])
+    cfg = AdvantageConfig(gamma=0.99)
+    _, ret = compute_advantages("reinforce_plus_plus", AdvantageInputs(rewards, mask), cfg)
+    torch.testing.assert_close(ret, t([[0.99, 0.0, 1.0]]))
+    # a reward placed on the masked token is ignored, as everywhere else
     rewards = t([[0.0, 5.0, 1.0], [1.0, 1.0, 1.0]])
     mask = t([[1, 0, 1], [1, 1, 1]])
     _, ret = compute_advantages("reinforce_plus_plus", AdvantageInputs(rewards, mask))
-    torch.testing.assert_close(ret, t([[0.0, 0.0, 1.0], [3.0, 2.0, 1.0]]))
+    torch.testing.assert_close(ret, t([[1.0, 0.0, 1.0], [3.0, 2.0, 1.0]]))
 
 
 def test_reinforce_plus_plus_baseline_by_hand() -> None:
@@ -340,3 +346,86 @@ def test_config_validation() -> None:
                 torch.zeros(2, 3), torch.ones(2, 4), group_ids=torch.zeros(2, dtype=torch.long)
             ),
         )
+
+
+# ------------------------------------------------------------- multi-turn masks (issue 15)
+
+
+def _episodes(seed: int) -> tuple[AdvantageInputs, list[list[int]]]:
+    """Multi-turn rows: assistant turns (mask 1) separated by observation spans (mask 0, holding
+    NaN rewards and values, which must be ignored), then right padding. Turn-level rewards sit on
+    the last token of each turn. Also returns, per row, the columns of its first observation."""
+    g = torch.Generator().manual_seed(seed)
+    bs, width = 8, 16
+    mask = torch.zeros(bs, width, dtype=torch.long)
+    rewards = torch.full((bs, width), float("nan"), dtype=F64)
+    values = torch.full((bs, width), float("nan"), dtype=F64)
+    spans = []
+    for i in range(bs):
+        col, first_obs = 0, []
+        for turn in range(3):
+            n = int(torch.randint(1, 4, (1,), generator=g))
+            mask[i, col:col + n] = 1
+            rewards[i, col:col + n] = 0.0
+            rewards[i, col + n - 1] = float(torch.randn(1, generator=g, dtype=F64))
+            values[i, col:col + n] = torch.randn(n, generator=g, dtype=F64)
+            col += n
+            if turn < 2:
+                obs = int(torch.randint(1, 3, (1,), generator=g))
+                first_obs = first_obs or list(range(col, col + obs))
+                col += obs
+        spans.append(first_obs)
+    inputs = AdvantageInputs(rewards, mask, values, torch.arange(bs) // 4,
+                             torch.randn(bs, generator=g, dtype=F64))
+    return inputs, spans
+
+
+def _drop_columns(inputs: AdvantageInputs, spans: list[list[int]]) -> AdvantageInputs:
+    """Each row without its span, shifted left and right-padded (padding: mask 0, value 0)."""
+    def drop(x: torch.Tensor, fill: float) -> torch.Tensor:
+        out = torch.full_like(x, fill)
+        for i, span in enumerate(spans):
+            keep = [c for c in range(x.shape[1]) if c not in span]
+            out[i, : len(keep)] = x[i, keep]
+        return out
+
+    return AdvantageInputs(drop(inputs.token_level_rewards, 0.0), drop(inputs.response_mask, 0),
+                           drop(inputs.values, 0.0), inputs.group_ids, inputs.baseline_rewards)
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
+def test_removing_an_observation_span_leaves_assistant_values_unchanged(name: str) -> None:
+    """Every estimator treats mask-0 tokens as absent: GAE bootstraps V across them,
+    REINFORCE++ carries the return across them, outcome estimators score the whole episode."""
+    inputs, spans = _episodes(7)
+    cfg = AdvantageConfig(gamma=0.9, lam=0.8)
+    adv, ret = compute_advantages(name, inputs, cfg)
+    adv2, ret2 = compute_advantages(name, _drop_columns(inputs, spans), cfg)
+    mask, mask2 = inputs.response_mask.bool(), _drop_columns(inputs, spans).response_mask.bool()
+    assert mask.sum() == mask2.sum() and all(span and not mask[i, span].any()
+                                             for i, span in enumerate(spans))
+    torch.testing.assert_close(adv[mask], adv2[mask2])
+    torch.testing.assert_close(ret[mask], ret2[mask2])
+    assert torch.all(adv[~mask] == 0) and torch.all(ret[~mask] == 0)
+
+
+def test_gae_bootstraps_across_an_observation_by_hand() -> None:
+    """mask [1, 0, 1], V = [0.5, nan, 0.25], r = [0, nan, 1], gamma = lam = 1: the first token's
+    TD error uses V of the third token: A = [0 + 0.25 - 0.5 + (1 - 0.25), 0, 1 - 0.25]."""
+    adv, _ = compute_gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.0, 0.25]]),
+                         torch.tensor([[True, False, True]]), 1.0, 1.0)
+    torch.testing.assert_close(adv, t([[0.5, 0.0, 0.75]]))
+
+
+def test_turn_level_rewards_score_the_episode_as_their_sum() -> None:
+    """GRPO over episodes: rewards on the last token of each turn add up to the episode score,
+    so turn-level rewards give the same advantages as their sum as one outcome reward."""
+    mask = t([[1, 1, 0, 0, 1], [1, 0, 1, 1, 0]])
+    turn = t([[0.0, 0.5, 0.0, 0.0, 1.0], [0.2, 0.0, 0.0, 0.1, 0.0]])
+    outcome = t([[0.0, 0.0, 0.0, 0.0, 1.5], [0.0, 0.0, 0.0, 0.3, 0.0]])
+    ids = torch.tensor([0, 0])
+    a, _ = compute_advantages("grpo", AdvantageInputs(turn, mask, group_ids=ids))
+    b, _ = compute_advantages("grpo", AdvantageInputs(outcome, mask, group_ids=ids))
+    torch.testing.assert_close(a, b)
+    std = math.sqrt(((1.5 - 0.9) ** 2 + (0.3 - 0.9) ** 2) / 1)
+    torch.testing.assert_close(a[0, 0], torch.tensor(0.6 / (std + 1e-6), dtype=F64))
