@@ -2,10 +2,13 @@
 
     rlhf-megatron train --config FILE [key=value ...]   # PPO/GRPO training (Ray controller)
     rlhf-megatron plan --config FILE --nodes N --gpus-per-node G --gpu-mem-gb M
+    rlhf-megatron checkpoints RUN_DIR                    # a run's checkpoints and their status
     rlhf-megatron version                                # package/stack versions, device
 
 Bad input (an unknown config key, a missing file, a layout that does not fit) ends with one line
-on stderr and exit status 2.
+on stderr and exit status 2. A training run stopped by SIGTERM or SIGUSR1 saves a checkpoint of
+the step it reached and exits 75 (run it again with trainer.resume=auto); Ctrl-C does the same
+and exits 130.
 """
 
 from __future__ import annotations
@@ -66,6 +69,39 @@ def _add_train(commands: Any) -> None:
     train.set_defaults(handler=_cmd_train)
 
 
+def _cmd_checkpoints(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlhf_megatron.controller.checkpoint_store import checkpoint_statuses
+    from rlhf_megatron.errors import ConfigError
+
+    run_dir = Path(args.run_dir)
+    root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    if not root.is_dir():
+        raise ConfigError(f"{run_dir}: no such directory")
+    rows = checkpoint_statuses(root, "size" if args.quick else "full")
+    if not rows:
+        print(f"no checkpoints in {root}")
+        return 0
+    width = max(len(name) for name, _, _ in rows)
+    for name, status, detail in rows:
+        print(f"{name:<{width}}  {status:<10}  {detail}")
+    return 1 if any(status == "damaged" for _, status, _ in rows) else 0
+
+
+def _add_checkpoints(commands: Any) -> None:
+    checkpoints = commands.add_parser(
+        "checkpoints", help="list a run's checkpoints and check them against their manifests",
+        description="List the checkpoints of RUN_DIR (or of RUN_DIR/checkpoints) oldest first, "
+                    "each checked against its MANIFEST.json: ok, damaged (with the reason), "
+                    "incomplete (no COMPLETE marker) or temp (being written, or left by a crash). "
+                    "Exit status 1 when one is damaged.")
+    checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="trainer.run_dir of the run")
+    checkpoints.add_argument("--quick", action="store_true",
+                             help="compare file sizes only (no CRC-32 of the contents)")
+    checkpoints.set_defaults(handler=_cmd_checkpoints)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf-megatron",
@@ -76,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     version.set_defaults(handler=_cmd_version)
     _add_train(commands)
     _add_plan(commands)
+    _add_checkpoints(commands)
     return parser
 
 
@@ -90,12 +127,20 @@ def _add_plan(commands: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     from rlhf_megatron.errors import RlhfMegatronError
 
+    from rlhf_megatron.controller.lifecycle import EXIT_INTERRUPTED, StopRequested
+
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except StopRequested as exc:
+        print(f"rlhf-megatron: {exc}", file=sys.stderr)
+        return exc.exit_code
     except RlhfMegatronError as exc:
         print(f"rlhf-megatron: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed
+        print("rlhf-megatron: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -201,6 +201,10 @@ class TrainerSection:
     """Validate every N steps (0: never; needs data.val_files)."""
     val_before_train: bool = False
     seed: int = 1
+    checkpoint_verify: str = "full"
+    """How a checkpoint is checked against its MANIFEST.json before resuming: 'full' (sizes and
+    CRC-32 of every file, ~2 GB/s), 'size' (sizes only), 'off'. resume=auto falls back to the
+    previous complete checkpoint when the newest fails."""
     """Seeds sampling (per step) and the engines."""
     dump_batch_steps: list[int] = field(default_factory=list)
     """Diagnosis and tests: after the advantages of these steps, write the step's batch (token

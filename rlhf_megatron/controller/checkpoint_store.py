@@ -5,12 +5,18 @@ Layout (``root`` is usually ``<run_dir>/checkpoints``)::
     root/step_00000010/            one complete checkpoint
         <whatever the writers put there: engine shards, optimizer, RNG, data position>
         controller_state.json      written by commit()
+        MANIFEST.json              written by commit(): size and CRC-32 of every other file
         COMPLETE                   written last by commit()
     root/.tmp-step_00000020-<pid>/ a checkpoint being written (ignored; removed by cleanup_stale)
 
 Protocol: ``tmp = store.begin(step)``; writers fill ``tmp``; ``store.commit(step, tmp, state)``.
 A checkpoint is visible only once it has been renamed to ``step_XXXXXXXX`` with its ``COMPLETE``
 marker inside, so a crash (or ``kill -9``) at any point leaves ``latest()`` on the previous one.
+
+Integrity: a file damaged after the commit (a truncated ``.distcp`` with COMPLETE intact) is
+caught by ``verify()`` against the manifest. ``resolve_resume("auto")`` verifies the newest
+complete checkpoint before any worker starts and falls back to the previous one with a warning
+that names the reason. CRC-32 (zlib) runs at about 2 GB/s on one core.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 CONTROLLER_STATE_FILE = "controller_state.json"
+MANIFEST_FILE = "MANIFEST.json"
+VERIFY_MODES = ("full", "size", "off")
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -76,9 +85,13 @@ class CheckpointStore:
     """Manages ``root``: temp dirs for checkpoints being written, atomic commits, pruning to the
     newest ``keep_last`` complete checkpoints (``keep_last <= 0`` keeps all) and resume lookup."""
 
-    def __init__(self, root: Path, keep_last: int):
+    def __init__(self, root: Path, keep_last: int, verify: str = "full"):
         self.root = Path(root)
         self.keep_last = keep_last
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"trainer.checkpoint_verify={verify!r}: expected one of "
+                              f"{', '.join(VERIFY_MODES)}")
+        self.verify_mode = verify
 
     def begin(self, step: int) -> Path:
         """Create and return an empty temp dir for ``step``, removing stale ones of that step."""
@@ -104,6 +117,7 @@ class CheckpointStore:
         final = self.root / step_dir_name(step)
 
         _write_durable(temp_dir / CONTROLLER_STATE_FILE, json.dumps(controller_state, indent=2))
+        _write_durable(temp_dir / MANIFEST_FILE, json.dumps(build_manifest(temp_dir), indent=1))
         _fsync_tree(temp_dir)
         _write_durable(temp_dir / COMPLETE_MARKER, f"{step}\n")
         _fsync_path(temp_dir)
@@ -181,7 +195,7 @@ class CheckpointStore:
         """The checkpoint to resume from: ``"auto"`` → ``latest()`` (``None`` if there is none),
         ``"never"`` or ``""`` → ``None``, anything else → that path, which must be complete."""
         if resume == "auto":
-            return self.latest()
+            return self.latest_intact()
         if resume in ("never", ""):
             return None
         path = Path(resume).expanduser()
@@ -191,7 +205,31 @@ class CheckpointStore:
                 f"{COMPLETE_MARKER} and a readable {CONTROLLER_STATE_FILE}); "
                 "valid: a step_XXXXXXXX dir, 'auto', 'never'"
             )
+        problem = verify_checkpoint(path, self.verify_mode)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; resume from an "
+                                  "older one (trainer.resume=<its path>) or trainer.resume=never")
         return path
+
+    def latest_intact(self) -> Path | None:
+        """The newest complete checkpoint that passes ``verify_checkpoint``; each damaged newer
+        one is skipped with a warning naming it and the reason. None when there is none at all;
+        CheckpointError when there are complete checkpoints but every one is damaged."""
+        complete = self.complete_checkpoints()
+        problems = []
+        for path in reversed(complete):
+            problem = verify_checkpoint(path, self.verify_mode)
+            if problem is None:
+                return path
+            problems.append(f"{path.name}: {problem}")
+            logger.warning("checkpoint %s is damaged (%s); falling back to the previous "
+                           "complete checkpoint", path, problem)
+            _say(f"warning: checkpoint {path} is damaged ({problem}); falling back to the "
+                 "previous complete checkpoint")
+        if complete:
+            raise CheckpointError(f"no intact checkpoint in {self.root} ({'; '.join(problems)}); "
+                                  "set trainer.resume=never to start over")
+        return None
 
     def _is_complete(self, path: Path) -> bool:
         if not (path / COMPLETE_MARKER).is_file():
@@ -202,3 +240,84 @@ class CheckpointStore:
             logger.warning("ignoring checkpoint %s: %s", path, exc)
             return False
         return True
+
+
+def _say(message: str) -> None:
+    import sys
+
+    print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
+
+
+def _crc32(path: Path, chunk: int = 8 << 20) -> str:
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            value = zlib.crc32(block, value)
+    return f"{value:08x}"
+
+
+def build_manifest(directory: Path) -> dict[str, Any]:
+    """{"files": {relative path: {"size", "crc32"}}} of every file under ``directory`` (the
+    manifest and COMPLETE themselves excepted)."""
+    files = {}
+    for dirpath, _, names in os.walk(directory):
+        for name in sorted(names):
+            path = Path(dirpath, name)
+            rel = path.relative_to(directory).as_posix()
+            if rel in (MANIFEST_FILE, COMPLETE_MARKER):
+                continue
+            files[rel] = {"size": path.stat().st_size, "crc32": _crc32(path)}
+    return {"version": 1, "checksum": "crc32", "files": files}
+
+
+def verify_checkpoint(path: Path, mode: str = "full") -> str | None:
+    """None when checkpoint ``path`` matches its manifest, else the first problem, one line.
+    mode 'full': sizes and CRC-32s; 'size': sizes only; 'off': nothing. A checkpoint written
+    before manifests existed (none in it) passes."""
+    if mode == "off":
+        return None
+    manifest_path = Path(path) / MANIFEST_FILE
+    if not manifest_path.exists():
+        return None
+    try:
+        files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {MANIFEST_FILE} ({exc})"
+    for rel, entry in files.items():
+        file = Path(path) / rel
+        try:
+            size = file.stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if size != entry["size"]:
+            return f"{rel} has {size} bytes, the manifest says {entry['size']}"
+        if mode == "full" and _crc32(file) != entry["crc32"]:
+            return f"{rel} fails its CRC-32 check (contents changed)"
+    return None
+
+
+def checkpoint_statuses(root: Path, mode: str = "full") -> list[tuple[str, str, str]]:
+    """(name, status, detail) of every entry of ``root``, oldest step first: status 'ok',
+    'damaged' (detail: the reason), 'incomplete' (no COMPLETE marker or state) or 'temp'."""
+    rows = []
+    store = CheckpointStore(root, keep_last=0, verify=mode)
+    entries = sorted(Path(root).iterdir()) if Path(root).is_dir() else []
+    for path in entries:
+        if path.name.startswith(TMP_PREFIX):
+            rows.append((path.name, "temp", "a checkpoint being written or left by a crash"))
+            continue
+        if _STEP_DIR.match(path.name) is None or not path.is_dir():
+            continue
+        if not store._is_complete(path):
+            rows.append((path.name, "incomplete", f"no {COMPLETE_MARKER} or unreadable "
+                                                  f"{CONTROLLER_STATE_FILE}"))
+            continue
+        problem = verify_checkpoint(path, mode)
+        if problem is None:
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            has_manifest = (path / MANIFEST_FILE).exists()
+            detail = f"{size / 2**20:.1f} MiB" + ("" if has_manifest else ", no manifest")
+            rows.append((path.name, "ok", detail))
+        else:
+            rows.append((path.name, "damaged", problem))
+    return rows

@@ -4,12 +4,15 @@
     worker groups -> resume (or, from a Megatron checkpoint, a first refit) -> the loop -> plot ->
     tear down
 Every user error surfaces before Ray starts where it can (bad config, missing dataset field, a
-custom reward that does not load); a worker that dies mid-run ends it with a WorkerFailure
-naming the worker.
+custom reward that does not load, a damaged newest checkpoint, a resume with nothing left to do or
+another prompt count); a worker that dies mid-run ends it with a WorkerFailure naming the worker.
+Whatever ends the run (its end, an error, a signal, a dead worker), `_teardown` closes the
+rewards' process, kills the worker groups, unlinks their refit segments and shuts Ray down.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -19,11 +22,17 @@ from rlhf_megatron.algorithms import build_kl_controller
 from rlhf_megatron.config import TrainConfig, config_to_dict, save_config, validate_config
 from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.controller.lifecycle import (
+    GracefulStop,
+    remove_orphan_segments,
+    remove_refit_segments,
+)
 from rlhf_megatron.controller.metrics import build_metrics_logger
 from rlhf_megatron.controller.phases import Run
-from rlhf_megatron.controller.trainer import restore_checkpoint, train_steps
+from rlhf_megatron.controller.trainer import restore_checkpoint, save_checkpoint, train_steps
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
 from rlhf_megatron.rewards import RewardManager
 
 
@@ -56,7 +65,74 @@ def _say(message: str) -> None:
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Run training as configured; returns the run directory."""
+    """Run training as configured; returns the run directory. A signal (SIGTERM, SIGUSR1,
+    SIGINT) ends it with StopRequested after a checkpoint of the step reached (lifecycle.py)."""
+    stop = GracefulStop()
+    stop.install()
+    try:
+        return _train(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _prepare_run_dir(cfg: TrainConfig) -> Path:
+    run_dir = Path(cfg.trainer.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"trainer.run_dir={run_dir}: cannot create it ({exc.strerror})") \
+            from None
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def _resume_state(cfg: TrainConfig, store: CheckpointStore,
+                  path: Path | None) -> dict[str, Any] | None:
+    """The controller state of the checkpoint to resume from, checked against the config before
+    any worker starts: nothing left to do at total_steps is an error, not a silent exit."""
+    if path is None:
+        return None
+    state = store.load_controller_state(path)
+    if int(state.get("step", 0)) >= cfg.trainer.total_steps:
+        raise ConfigError(
+            f"checkpoint {path} is at step {state.get('step')}, trainer.total_steps="
+            f"{cfg.trainer.total_steps}: nothing left to train; raise trainer.total_steps or "
+            "set trainer.resume=never to start over")
+    return state
+
+
+def _check_loader_state(loader: PromptLoader, state: dict[str, Any], path: Path) -> None:
+    try:
+        loader.load_state_dict(state["loader"])
+    except (ConfigError, KeyError) as exc:
+        raise CheckpointError(f"cannot resume from {path}: {exc}") from None
+
+
+def _stop_point(stop: GracefulStop, run: Run, store: CheckpointStore, step: int,
+                saved: Path | None) -> None:
+    """After each step: on a pending signal, save the step reached (unless just saved) and stop."""
+    if not stop.requested:
+        return
+    stop.tearing_down = True  # a second signal must not cut the save short
+    checkpoint = saved if saved is not None else save_checkpoint(run, store, step)
+    raise stop.stop_after(step, checkpoint)
+
+
+def _teardown(groups: Any, pids: list[int], rewards: RewardManager, logger: Any) -> None:
+    """Close everything the run started, whatever ended it; never waits on user code."""
+    import ray
+
+    if logger is not None:
+        logger.close()
+    rewards.close()
+    if groups is not None:
+        groups.kill()
+    # ray.kill skips the workers' finalizers: unlink the refit segments they made.
+    remove_refit_segments(pids)
+    ray.shutdown()
+
+
+def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
     import ray
     from transformers import AutoTokenizer
 
@@ -64,12 +140,14 @@ def train(cfg: TrainConfig) -> Path:
     from rlhf_megatron.controller.ray_cluster import reserve_pools, start_ray
 
     plan = validate_config(cfg)
-    run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    store = CheckpointStore(run_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
+    run_dir = _prepare_run_dir(cfg)
+    store = CheckpointStore(run_dir / "checkpoints", keep_last=cfg.trainer.keep_last,
+                            verify=cfg.trainer.checkpoint_verify)
     store.cleanup_stale()
     resume_from = store.resolve_resume(cfg.trainer.resume)
+    resume_state = _resume_state(cfg, store, resume_from)
+    for path in remove_orphan_segments():
+        _say(f"removed {path}, left behind by a process that no longer exists")
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path
                                               or hf_assets_dir(cfg.model.path))
@@ -77,27 +155,34 @@ def train(cfg: TrainConfig) -> Path:
     val_items = (load_prompts(cfg, tokenizer, cfg.data.val_files, cfg.data.val_max_prompts)
                  if cfg.data.val_files else [])
     loader = PromptLoader(train_items, batch_size=cfg.data.prompts_per_step, seed=cfg.data.seed)
-    rewards = RewardManager(cfg.reward)
-    if rewards.custom is not None and not cfg.uses_reward_model:
-        _probe_custom_reward(rewards, train_items)
+    if resume_state is not None:
+        _check_loader_state(loader, resume_state, resume_from)
     alg = cfg.algorithm
     kl_controller = build_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target,
                                         alg.kl_horizon)
-    _say(f"{len(train_items)} training prompts, {len(val_items)} held out; run dir {run_dir}")
-
+    rewards = RewardManager(cfg.reward)
     start = time.perf_counter()
     groups = None
     logger = None
+    pids: list[int] = []
     try:
+        if rewards.custom is not None and not cfg.uses_reward_model:
+            _probe_custom_reward(rewards, train_items)
+        _say(f"{len(train_items)} training prompts, {len(val_items)} held out; run dir {run_dir}")
         start_ray(cfg, plan)
+        stop.install()  # after Ray's own SIGTERM handler
         pools = reserve_pools(cfg, plan, cfg.ray.startup_timeout_s)
         _say(f"pools {dict(plan.pools)} ({cfg.resources.mode}); starting workers")
         groups = build_groups(cfg, plan, pools)
+        pids = [pid for group in groups.all() for pid in group.call("ping")]
         _say(f"workers ready in {time.perf_counter() - start:.1f}s")
         run = Run(cfg, groups, tokenizer, rewards, kl_controller, loader, val_items)
         start_step = 1
         if resume_from is not None:
-            start_step = restore_checkpoint(run, store, resume_from)
+            try:
+                start_step = restore_checkpoint(run, store, resume_from)
+            except (RlhfMegatronError, OSError) as exc:
+                raise CheckpointError(f"loading checkpoint {resume_from} failed: {exc}") from None
             _say(f"resumed from {resume_from} at step {start_step}")
         elif is_megatron_checkpoint(cfg.model.path):
             # vLLM started on placeholder weights (a dist-checkpoint has no HF weights).
@@ -107,14 +192,14 @@ def train(cfg: TrainConfig) -> Path:
             run_dir, console=cfg.metrics.console, tensorboard=cfg.metrics.tensorboard,
             wandb_project=cfg.metrics.wandb_project, run_name=cfg.trainer.run_name or run_dir.name,
             config_dict=config_to_dict(cfg), resume_step=start_step)
-        train_steps(run, store, logger, start_step)
+        stop.in_loop = True
+        if stop.requested:  # a signal during start-up that did not interrupt it
+            raise stop.stop_after(start_step - 1, resume_from)
+        train_steps(run, store, logger, start_step,
+                    on_step_end=functools.partial(_stop_point, stop, run, store))
     finally:
-        if logger is not None:
-            logger.close()
-        rewards.close()
-        if groups is not None:
-            groups.kill()
-        ray.shutdown()
+        stop.in_loop, stop.tearing_down = False, True
+        _teardown(groups, pids, rewards, logger)
     if cfg.metrics.plot:
         from rlhf_megatron.controller.plot import plot_metrics
 

@@ -7,6 +7,7 @@ reproduces the uninterrupted run's metrics exactly (sampling seeds depend on (se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,10 @@ from rlhf_megatron.controller.metrics import MetricsLogger, PhaseTimer
 from rlhf_megatron.controller.phases import Run
 
 
-def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_step: int) -> None:
+def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_step: int,
+                on_step_end: Callable[[int, Path | None], None] | None = None) -> None:
+    """Steps start_step..total_steps. `on_step_end(step, checkpoint saved after it or None)` runs
+    after each step (run.py stops there after a signal: a safe point)."""
     cfg = run.cfg
     trainer = cfg.trainer
     timer = PhaseTimer()
@@ -67,8 +71,11 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
 
         last = step == trainer.total_steps
+        saved = None
         if (trainer.save_every and step % trainer.save_every == 0) or last:
-            save_checkpoint(run, store, step)
+            saved = save_checkpoint(run, store, step)
+        if on_step_end is not None and not last:
+            on_step_end(step, saved)
     if progress is not None:
         progress.close()
 

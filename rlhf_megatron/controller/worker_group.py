@@ -41,7 +41,9 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], call: str, *,
             try:
                 results[index[ref]] = ray.get(ref)
             except RayActorError as exc:
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "actor died"
+                from rlhf_megatron.controller.lifecycle import actor_death_reason
+
+                reason = actor_death_reason(exc)
                 raise WorkerFailure(f"worker {name} died during {call}: {reason}") from None
             except RayTaskError as exc:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc

@@ -5,11 +5,19 @@ either the rule registry (routed per sample by ``data_source``) or one custom ba
 ``compute_async`` runs the same work on the manager's thread pool and returns a ``Future``, so the
 controller can score a rollout while it computes log-probs; call ``close()`` (or use the manager as
 a context manager) to stop the pool.
+
+A custom function runs in a child process (rewards/process.py) with a deadline,
+``reward.timeout_s`` (default 300 s per batch): on overrun the process is killed and the batch
+either fails with a one-line RewardTimeout naming the function (``on_timeout: error``, the
+default) or scores 0 with a logged count (``on_timeout: zero``). ``close()`` kills that process
+and never waits on user code. Rule rewards are this package's own code and run in the thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -17,7 +25,10 @@ import torch
 
 from rlhf_megatron.rewards.custom import CustomReward, load_custom_reward
 from rlhf_megatron.rewards.errors import RewardError
+from rlhf_megatron.rewards.process import RewardProcess, RewardTimeout
 from rlhf_megatron.rewards.rules import get_rule_reward
+
+ON_TIMEOUT = ("error", "zero")
 
 
 @dataclasses.dataclass
@@ -40,12 +51,26 @@ class RewardConfig:
     max_workers: int = 1
     """Threads for ``compute_async`` (rule rewards hold the GIL, so 1 is usually enough)."""
 
+    timeout_s: float = 300.0
+    """Deadline of one call of ``custom_function`` on a batch (seconds). It runs in a child
+    process that is killed on overrun; see ``on_timeout``."""
+
+    on_timeout: str = "error"
+    """``"error"``: an overrun ends the step with one line naming the function; ``"zero"``: the
+    batch scores 0 and the overruns are counted in the log."""
+
     def validate(self) -> None:
         """Raise :class:`RewardError` naming the first invalid field."""
         for name in (self.reward_name, *self.by_data_source.values()):
             get_rule_reward(name)  # unknown name -> error listing the known ones
         if self.max_workers < 1:
             raise RewardError(f"RewardConfig.max_workers must be >= 1, got {self.max_workers!r}")
+        if not (isinstance(self.timeout_s, int | float) and math.isfinite(self.timeout_s)
+                and self.timeout_s > 0):
+            raise RewardError(f"reward.timeout_s={self.timeout_s!r} must be a number > 0")
+        if self.on_timeout not in ON_TIMEOUT:
+            raise RewardError(f"reward.on_timeout={self.on_timeout!r}: expected one of "
+                              f"{', '.join(ON_TIMEOUT)}")
 
 
 class RewardManager:
@@ -62,6 +87,11 @@ class RewardManager:
             load_custom_reward(cfg.custom_function) if cfg.custom_function else None
         )
         self._pool: ThreadPoolExecutor | None = None  # created on first compute_async
+        self._process: RewardProcess | None = (
+            RewardProcess(cfg.custom_function) if self.custom is not None else None
+        )
+        self.timeouts = 0
+        """Batches scored 0 after an overrun (``on_timeout: zero``)."""
 
     def compute(
         self,
@@ -84,13 +114,26 @@ class RewardManager:
             raise RewardError(f"got {len(answers)} answers for {bs} responses")
         if data_sources is not None and len(data_sources) != bs:
             raise RewardError(f"got {len(data_sources)} data_sources for {bs} responses")
-        if self.custom is not None:
-            rewards = self.custom(
-                list(responses), list(answers), data_sources=data_sources, **extra
-            )
+        if self._process is not None:
+            rewards = self._call_custom(list(responses), list(answers),
+                                        {"data_sources": data_sources, **extra})
         else:
             rewards = self._compute_rules(responses, answers, data_sources)
         return torch.tensor(rewards, dtype=torch.float32).reshape(bs)
+
+    def _call_custom(self, responses: list[str], answers: list[str],
+                     extra: dict[str, Any]) -> list[float]:
+        assert self._process is not None
+        try:
+            return self._process.call(responses, answers, extra, self.cfg.timeout_s)
+        except RewardTimeout as exc:
+            if self.cfg.on_timeout == "error":
+                raise
+            self.timeouts += 1
+            message = (f"{exc}; scored the batch of {len(responses)} as 0 "
+                       f"({self.timeouts} timed-out batches so far)")
+            print(f"[rlhf_megatron] warning: {message}", file=sys.stderr, flush=True)
+            return [0.0] * len(responses)
 
     def _compute_rules(
         self, responses: list[str], answers: list[str], data_sources: list[str] | None
@@ -120,9 +163,12 @@ class RewardManager:
         return self._pool.submit(self.compute, list(responses), list(answers), sources, **extra)
 
     def close(self) -> None:
-        """Wait for pending async work and stop the pool (a later compute_async starts a new one)."""
+        """Kill the custom function's process and stop the pool without waiting on user code
+        (pending futures fail; a later call starts afresh)."""
+        if self._process is not None:
+            self._process.kill()  # a thread waiting on it sees the pipe close and returns
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
     def __enter__(self) -> RewardManager:

@@ -31,7 +31,8 @@ def test_commit_layout_and_latest(tmp_path):
     (tmp / "shard").write_bytes(b"x")
     final = store.commit(10, tmp, {"step": 10})
     assert final == tmp_path / "checkpoints" / "step_00000010"
-    assert sorted(p.name for p in final.iterdir()) == ["COMPLETE", "controller_state.json", "shard"]
+    assert sorted(p.name for p in final.iterdir()) == ["COMPLETE", "MANIFEST.json",
+                                                     "controller_state.json", "shard"]
     assert not tmp.exists()
     assert store.latest() == final and checkpoint_step(final) == 10
     assert store.load_controller_state(final) == {"step": 10}

@@ -1,0 +1,75 @@
+"""reward.timeout_s: a custom reward that never returns is killed after timeout_s (error or score
+0, as configured), close() never waits on it, and no process is left."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_megatron.rewards import RewardConfig, RewardError, RewardManager
+from rlhf_megatron.rewards.process import RewardTimeout
+
+SLOW = ("import time\n"
+        "def f(responses, answers, **kw):\n"
+        "    print('noise on stdout must not break the protocol')\n"
+        "    if responses[0] == 'hang':\n"
+        "        time.sleep(3600)\n"
+        "    return [float(r == a) for r, a in zip(responses, answers)]\n")
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("reward") / "slow.py"
+    path.write_text(SLOW)
+    return f"{path}:f"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_overrun_is_one_line_naming_the_function_and_the_process_dies(reward_file):
+    manager = RewardManager(RewardConfig(custom_function=reward_file, timeout_s=1.5))
+    try:
+        assert manager.compute(["a", "b"], ["a", "c"]).tolist() == [1.0, 0.0]
+        pid = manager._process._proc.pid
+        start = time.monotonic()
+        with pytest.raises(RewardTimeout) as info:
+            manager.compute(["hang"], ["x"])
+        assert time.monotonic() - start < 1.5 + 1.0
+        message = str(info.value)
+        assert "\n" not in message and reward_file in message and "1.5s" in message
+        assert not _alive(pid)
+        # the next batch gets a fresh process
+        assert manager.compute(["a"], ["a"]).tolist() == [1.0]
+    finally:
+        manager.close()
+
+
+def test_zero_on_timeout_counts_and_close_never_waits(reward_file, capsys):
+    manager = RewardManager(RewardConfig(custom_function=reward_file, timeout_s=1.0,
+                                         on_timeout="zero"))
+    assert manager.compute(["hang", "b"], ["x", "b"]).tolist() == [0.0, 0.0]
+    assert manager.timeouts == 1 and "1 timed-out batches so far" in capsys.readouterr().err
+    manager.cfg.timeout_s = 60.0
+    future = manager.compute_async(["hang"], ["x"])
+    time.sleep(0.5)
+    pid = manager._process._proc.pid
+    start = time.monotonic()
+    manager.close()
+    assert time.monotonic() - start < 2.0 and not _alive(pid)
+    with pytest.raises(RewardError):
+        future.result(timeout=5)
+
+
+@pytest.mark.parametrize("field, value", [("timeout_s", 0), ("timeout_s", float("nan")),
+                                          ("on_timeout", "ignore")])
+def test_bad_timeout_settings(field, value):
+    with pytest.raises(RewardError, match=f"reward.{field}"):
+        RewardConfig(**{field: value}).validate()
