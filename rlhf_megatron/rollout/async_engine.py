@@ -1,0 +1,366 @@
+"""AsyncRolloutEngine: continuous generation with vLLM's AsyncLLM, partial rollouts across refits.
+
+Prompts are submitted as groups (one prompt, `n` samples); each sample is one vLLM request that
+streams its tokens back (DELTA outputs) into a per-sample record. A completed group goes into a
+FIFO buffer that the trainer drains with `take(count)`. The caller bounds the buffer: `submit`
+refuses more than `capacity` groups in flight plus buffered.
+
+Every token records the weight version that produced it and its behaviour log-prob (vLLM's raw
+log-prob of the sampled token). A refit follows the same protocol as the synchronous engine:
+  begin_weight_update()   pause_generation(mode="keep", clear_cache=True): no request is lost;
+                          requests in flight are preempted (their KV cache dropped) and frozen;
+                          the outputs already produced are drained into the records, so every
+                          token received so far carries the old version
+  load_bucket(handle)     the worker maps the transport handle and loads it (child process)
+  finish_weight_update(v) reset the prefix cache, set version v, resume_generation(): frozen
+                          requests re-prefill prompt + tokens so far with the NEW weights and
+                          continue (partial rollout); their later tokens carry version v.
+Dropping the KV cache at the pause makes a continued token's log-prob exactly what the new
+weights give for the whole prefix (recompute), not a mix of old-weight KV and new weights.
+
+The engine runs its own asyncio loop in a background thread, so a Ray actor (or a test) calls it
+with plain blocking methods. AsyncLLM always runs its EngineCore in a child process on CPU:
+scripts that build this engine need `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_megatron.errors import ConfigError, WorkerFailure
+from rlhf_megatron.platform import current_platform
+from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
+from rlhf_megatron.rollout.vllm_engine import _SEED_STRIDE
+
+_EXTENSION = "rlhf_megatron.rollout.async_worker_ext.RolloutWeightLoader"
+
+
+def prompt_seed(seed: int, key: int) -> int:
+    """The sampling seed of prompt `key` (its position in the run's prompt stream): the same
+    stride as the synchronous engine's per-prompt rule, so streams of prompts stay apart and a
+    prompt's samples do not depend on when (or at which refit) it was submitted."""
+    return seed + key * _SEED_STRIDE
+
+
+@dataclass
+class SampleRecord:
+    """One response as it streams in: parallel lists, one entry per response token."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class RolloutGroup:
+    """One prompt and its `n` finished samples.
+
+    key: the prompt's position in the run's prompt stream (never repeats; the checkpoint keys
+        continuation on it). submitted_version: the weight version when it was submitted.
+    """
+
+    key: int
+    prompt: list[int]
+    samples: list[SampleRecord]
+    submitted_version: int
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version that produced any of its tokens (its staleness anchor)."""
+        versions = [v for s in self.samples for v in s.versions]
+        return min(versions) if versions else self.submitted_version
+
+    @property
+    def versions_spanned(self) -> int:
+        return len({v for s in self.samples for v in s.versions})
+
+
+class AsyncRolloutEngine:
+    """AsyncLLM over an HF checkpoint directory (or a Megatron checkpoint's saved HF assets,
+    placeholder weights until the first refit), driven from any thread."""
+
+    def __init__(self, hf_dir: str | Path, config: RolloutConfig, *, capacity: int = 64) -> None:
+        from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
+        from rlhf_megatron.models.hf_checkpoint import load_hf_config
+
+        if capacity < 1:
+            raise ConfigError(f"async rollout capacity={capacity} must be >= 1 group")
+        self.platform = current_platform()
+        self.config = config
+        self.capacity = capacity
+        self.hf_dir = hf_assets_dir(hf_dir)
+        self.hf_config = load_hf_config(self.hf_dir)
+        self.awaiting_weights = is_megatron_checkpoint(hf_dir)
+        config.validate_for_model(self.hf_config, on_cpu=not self.platform.is_cuda)
+        self.weight_version = 0
+        self._updating = False
+        self._cond = threading.Condition()
+        self._done: deque[RolloutGroup] = deque()
+        self._in_flight: dict[int, RolloutGroup] = {}
+        self._error: str | None = None
+        self._streaming: list[SampleRecord] = []  # records of every sample not yet taken
+        self._shm: Any = None  # a SharedMemoryTransport for load_weights(tensors)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="async-rollout",
+                                        daemon=True)
+        self._thread.start()
+        self.llm = self._call(self._start(), timeout=600)
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro: Coroutine, timeout: float | None = 300) -> Any:
+        """Run `coro` on the engine's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self) -> Any:
+        if not self.platform.is_cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = dict(
+            model=str(self.hf_dir), dtype=self.config.dtype, seed=self.config.seed,
+            max_model_len=self.config.max_model_len,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            enforce_eager=not self.platform.is_cuda, worker_extension_cls=_EXTENSION,
+            **self.config.extra_engine_args,
+        )
+        if self.awaiting_weights:
+            kwargs["load_format"] = "dummy"
+        if self.platform.is_cuda:
+            kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def shutdown(self) -> None:
+        """Stop vLLM and the loop thread (idempotent)."""
+        if self._loop.is_closed():
+            return
+        try:
+            self.llm.shutdown()
+            self.llm = None  # its __del__ would shut down again at interpreter exit
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
+            if self._shm is not None:
+                self._shm.close()
+
+    # ------------------------------------------------------------------ generation
+    def submit(self, items: Sequence[tuple[int, Sequence[int]]], sampling: SamplingSettings,
+               seed: int | None) -> None:
+        """Start generating `sampling.n` samples for each (key, prompt ids); returns at once.
+        Sample j of prompt `key` is seeded prompt_seed(seed, key) + j (None: unseeded)."""
+        sampling.validate()
+        self._check_ready()
+        with self._cond:
+            self._raise_if_failed()
+            load = len(self._in_flight) + len(self._done) + len(items)
+            if load > self.capacity:
+                raise ConfigError(f"async rollout buffer full: {load} groups > capacity "
+                                  f"{self.capacity}")
+            for key, prompt in items:
+                self._check_prompt(prompt, sampling)
+                if key in self._in_flight:
+                    raise ValueError(f"prompt key {key} is already in flight")
+                self._in_flight[key] = RolloutGroup(key, list(prompt), [], self.weight_version)
+        for key, prompt in items:
+            self._loop.call_soon_threadsafe(self._spawn, key, list(prompt), sampling, seed)
+
+    def _spawn(self, key: int, prompt: list[int], sampling: SamplingSettings,
+               seed: int | None) -> None:
+        self._loop.create_task(self._run_group(key, prompt, sampling, seed))
+
+    async def _run_group(self, key: int, prompt: list[int], sampling: SamplingSettings,
+                         seed: int | None) -> None:
+        try:
+            samples = await self._generate_group(prompt, sampling, seed, key)
+        except BaseException as exc:  # an engine that dies must end the run, not hang it
+            with self._cond:
+                self._error = f"rollout engine failed: {type(exc).__name__}: {exc}"
+                self._cond.notify_all()
+            return
+        with self._cond:
+            group = self._in_flight.pop(key)
+            group.samples = samples
+            self._done.append(group)
+            self._cond.notify_all()
+
+    async def _generate_group(self, prompt: list[int], sampling: SamplingSettings,
+                              seed: int | None, key: int) -> list[SampleRecord]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        base = None if seed is None else prompt_seed(seed, key)
+        params = [SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=None if base is None else base + j, output_kind=RequestOutputKind.DELTA,
+        ) for j in range(sampling.n)]
+        records = [SampleRecord() for _ in params]
+        with self._cond:
+            self._streaming.extend(records)
+        await asyncio.gather(*(self._stream(prompt, p, r) for p, r in zip(params, records)))
+        return records
+
+    async def _stream(self, prompt: list[int], params: Any, record: SampleRecord) -> None:
+        request_id = f"rlhf-{uuid.uuid4().hex}"
+        async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id):
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            version = self.weight_version  # read on the loop thread: refits change it here too
+            record.tokens += new
+            record.logprobs += [float(d[t].logprob) for d, t in zip(completion.logprobs, new)]
+            record.versions += [version] * len(new)
+            if out.finished:
+                record.finish_reason = str(completion.finish_reason)
+
+    def generate_groups(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
+                        seed: int | None, *, first_key: int = 0) -> list[RolloutGroup]:
+        """Generate now, outside the buffer (validation, sync use); keys first_key + i."""
+        sampling.validate()
+        self._check_ready()
+        for prompt in prompts:
+            self._check_prompt(prompt, sampling)
+
+        async def run() -> list[list[SampleRecord]]:
+            return await asyncio.gather(*(
+                self._generate_group(list(p), sampling, seed, first_key + i)
+                for i, p in enumerate(prompts)))
+
+        version = self.weight_version
+        results = self._call(run(), timeout=None)
+        return [RolloutGroup(first_key + i, list(p), samples, version)
+                for i, (p, samples) in enumerate(zip(prompts, results))]
+
+    # ------------------------------------------------------------------ the buffer
+    def take(self, count: int, timeout: float | None = None) -> list[RolloutGroup]:
+        """The `count` oldest completed groups (FIFO), waiting for them; raises WorkerFailure if
+        the engine failed, TimeoutError after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while len(self._done) < count:
+                self._raise_if_failed()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{len(self._done)} of {count} rollout groups after "
+                                       f"{timeout} s")
+                self._cond.wait(timeout=min(left, 1.0) if left is not None else 1.0)
+            self._raise_if_failed()
+            taken = [self._done.popleft() for _ in range(count)]
+            gone = {id(s) for g in taken for s in g.samples}
+            self._streaming = [s for s in self._streaming if id(s) not in gone]
+        return taken
+
+    def tokens_in_flight(self) -> int:
+        """Response tokens received so far by samples not yet finished."""
+        with self._cond:
+            return sum(len(s.tokens) for s in self._streaming if s.finish_reason is None)
+
+    def counts(self) -> dict[str, int]:
+        """Groups in flight and completed-but-not-taken, and the current weight version."""
+        with self._cond:
+            return {"in_flight": len(self._in_flight), "buffered": len(self._done),
+                    "weight_version": self.weight_version}
+
+    def pending_keys(self) -> list[int]:
+        """Keys of every group submitted but not yet taken (in flight or buffered)."""
+        with self._cond:
+            return sorted([*self._in_flight, *(g.key for g in self._done)])
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self) -> None:
+        """Pause at a safe point: requests in flight are frozen (KV dropped), and every token
+        already produced is recorded under the current version before this returns."""
+        self._call(self._pause())
+        self._updating = True
+
+    async def _pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
+        await self._drain_outputs()
+
+    async def _drain_outputs(self, timeout_s: float = 10.0) -> None:
+        """Wait until every output the engine sent before the pause reached the records (the
+        scheduler is paused, so no new ones come): the client's output queue and every
+        per-request collector are empty on two checks in a row."""
+        quiet, deadline = 0, time.monotonic() + timeout_s
+        while quiet < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            queue = getattr(self.llm.engine_core, "outputs_queue", None)
+            states = getattr(self.llm.output_processor, "request_states", {})
+            busy = (queue is not None and not queue.empty()) or any(
+                getattr(s, "queue", None) is not None and s.queue.output is not None
+                for s in list(states.values()))
+            quiet = 0 if busy else quiet + 1
+
+    def load_bucket(self, handle: Any) -> int:
+        """Load one bucket named by a shared-memory or CUDA IPC handle (the worker, in vLLM's
+        child process, maps it in place)."""
+        if not self._updating:
+            raise RuntimeError("load_bucket outside begin_weight_update/finish_weight_update")
+        counts = self._call(self.llm.collective_rpc("rlhf_load_bucket",
+                                                    args=(pickle.dumps(handle),)))
+        return int(counts[0])
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors held in this process (staged through shared memory)."""
+        from rlhf_megatron.refit.buckets import BucketLayout, TensorSpec, _aligned
+        from rlhf_megatron.refit.transports import SharedMemoryTransport
+
+        items = [(n, t.detach().contiguous().cpu()) for n, t in named_tensors]
+        specs, offset = [], 0
+        for name, tensor in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            specs.append(TensorSpec(name, tuple(tensor.shape), tensor.dtype, offset, nbytes))
+            offset += _aligned(nbytes)
+        if self._shm is None:
+            self._shm = SharedMemoryTransport()
+        buffer = self._shm.staging(max(offset, 1))
+        for spec, (_, tensor) in zip(specs, items):
+            buffer[spec.offset: spec.offset + spec.nbytes].view(tensor.dtype).view(
+                tensor.shape).copy_(tensor)
+        self.load_bucket(self._shm.send(BucketLayout(0, tuple(specs), offset)))
+
+    def finish_weight_update(self, version: int) -> int:
+        """Reset the prefix cache, take version `version`, and resume: frozen requests
+        re-prefill with the new weights and continue."""
+        self._call(self._finish(version))
+        return self.weight_version
+
+    async def _finish(self, version: int) -> None:
+        await self.llm.reset_prefix_cache()
+        self.weight_version = version
+        self._updating = False
+        self.awaiting_weights = False
+        await self.llm.resume_generation()
+
+    # ------------------------------------------------------------------ checks
+    def _check_ready(self) -> None:
+        if self.awaiting_weights:
+            raise RuntimeError("the rollout engine started from a Megatron checkpoint holds "
+                               "placeholder weights until the first weight update")
+
+    def _check_prompt(self, prompt: Sequence[int], sampling: SamplingSettings) -> None:
+        if not prompt:
+            raise ConfigError("generate() needs non-empty prompts")
+        if len(prompt) + sampling.max_tokens > self.config.max_model_len:
+            raise ConfigError(f"prompt of {len(prompt)} tokens + max_tokens="
+                              f"{sampling.max_tokens} exceeds max_model_len="
+                              f"{self.config.max_model_len}")
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise WorkerFailure(self._error)
