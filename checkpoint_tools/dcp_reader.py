@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from checkpoint_tools.byte_copy import RowLayout, RowRun
 from rlhf_megatron.errors import CheckpointError
 from rlhf_megatron.models.hf_checkpoint import tensor_bytes
 
@@ -147,6 +148,36 @@ class DcpReader:
                 or tuple(stride) != _contiguous_strides(sizes) or storage[0] != "storage"):
             return None
         return _stored_start(window, records[0])
+
+    def row_layout(self, key: str, layer: int | None, shape: tuple[int, ...],
+                   dtype: torch.dtype) -> RowLayout | None:
+        """Where each row (dim 0) of `key` (its layer `layer` when layer-stacked, else the whole
+        tensor of global `shape`) is stored: one run per stored chunk. None when a chunk splits
+        a row (a split along a later dim) or is not a plain record (then read it instead)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        lead = 0 if layer is None else 1  # the layer-stack dim, when there is one
+        param = tuple(shape[lead:])
+        if not param:
+            return None
+        row_bytes = torch.Size(param[1:]).numel() * torch.empty((), dtype=dtype).element_size()
+        runs = []
+        for chunk in self.metadata.state_dict_metadata[key].chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if lead and not offsets[0] <= layer < offsets[0] + sizes[0]:
+                continue
+            if offsets[lead + 1:] != (0,) * (len(param) - 1) or sizes[lead + 1:] != param[1:]:
+                return None
+            info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+            window = _Window(self._handle(info.relative_path), info.offset, info.length)
+            start = self._record_start(window, sizes, torch.Size(sizes).numel()
+                                       * torch.empty((), dtype=dtype).element_size())
+            if start is None:
+                return None
+            slab = (layer - offsets[0]) * sizes[1] * row_bytes if lead else 0
+            runs.append(RowRun(offsets[lead], offsets[lead] + sizes[lead],
+                               self.ckpt_dir / info.relative_path, info.offset + start + slab))
+        return RowLayout(torch.Size(param), dtype, tuple(sorted(runs, key=lambda r: r.start)))
 
     def read_region(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
                     dtype: torch.dtype) -> torch.Tensor:

@@ -91,7 +91,7 @@ def convert_hf_to_mcore(
             no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
             args = dataclasses.replace(args, transformer_config=no_init,
                                        padded_vocab_size=target.padded_vocab_size)
-            stats = _load_and_save(checkpoint, spec, args, tmp, progress=progress)
+            stats, kernel_bytes = _load_and_save(checkpoint, spec, args, tmp, progress=progress)
             assets = copy_hf_assets(hf_dir, tmp / ASSETS_DIR)
             ConvertedMetadata(
                 architecture=spec.hf_architecture, hf_config=config.to_dict(), dtype=dtype,
@@ -99,14 +99,16 @@ def convert_hf_to_mcore(
                 asset_files=assets,
             ).write(tmp)
     return {"hf_tensors": len(tensors), "params": stats.params, "bytes": stats.bytes_loaded,
-            "seconds": time.perf_counter() - start, "dtype": dtype}
+            "seconds": time.perf_counter() - start, "dtype": dtype, "kernel_bytes": kernel_bytes}
 
 
 def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
-                   progress: bool) -> Any:
+                   progress: bool) -> tuple[LoadStats, int]:
+    """Stream the save; returns the load stats and the bytes moved by in-kernel copies."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
+    from checkpoint_tools.byte_copy import CopyRegistry, FileCopier
     from checkpoint_tools.streaming_save import ChunkSource, build_meta_model, streaming_strategy
     from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
 
@@ -116,10 +118,14 @@ def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
     unmapped = [name for name in names if table.resolve(name) is None]
     if unmapped:  # before anything is written
         raise CheckpointError(f"no mapping for Megatron parameter {unmapped[0]!r}")
+    copier = FileCopier()
     with tqdm(total=len(names), desc="hf -> mcore", unit="tensor", disable=not progress) as bar:
         source = ChunkSource(checkpoint, table,
                              ShardContext(ModelShapes.from_megatron_args(args)),
-                             on_tensor=lambda: bar.update(1))
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp),
-                                sharded_strategy=streaming_strategy(source))
-    return LoadStats(params=source.params, bytes_loaded=source.bytes)
+                             on_tensor=lambda: bar.update(1), registry=CopyRegistry(copier))
+        try:
+            dist_checkpointing.save(model.sharded_state_dict(), str(tmp),
+                                    sharded_strategy=streaming_strategy(source))
+        finally:
+            copier.close()
+    return LoadStats(params=source.params, bytes_loaded=source.bytes), copier.kernel_bytes

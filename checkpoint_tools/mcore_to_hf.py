@@ -30,6 +30,7 @@ from checkpoint_tools.common import (
     is_model_key,
     parse_size,
 )
+from checkpoint_tools.byte_copy import Extent, FileCopier, NotRows, trace_rows
 from checkpoint_tools.dcp_reader import DcpReader
 from checkpoint_tools.safetensors_writer import (
     PlannedSafetensorsWriter,
@@ -131,13 +132,49 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
     return work, planned
 
 
-def _hf_tensors(reader: DcpReader, work: list[tuple[SourceTensor, Any]], ctx: Any,
+def _hf_tensors(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any,
                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (hf_name, tensor) pairs in plan order, cast to `dtype`."""
-    for source, resolved in work:
-        tensor = read_source(reader, source)
-        for name, hf_tensor in resolved.megatron_to_hf([tensor], ctx):
-            yield name, hf_tensor.to(dtype)
+    """The (hf_name, tensor) pairs of one Megatron parameter, read and cast to `dtype`."""
+    tensor = read_source(reader, source)
+    for name, hf_tensor in resolved.megatron_to_hf([tensor], ctx):
+        yield name, hf_tensor.to(dtype)
+
+
+def _hf_extents(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any,
+                shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, list[Extent]] | None:
+    """Where the bytes of each HF tensor of one Megatron parameter are in the `.distcp` files,
+    when they are whole stored rows of `dtype`; None otherwise (read them instead)."""
+    layout = reader.row_layout(source.key, source.layer, tuple(source.shape), source.dtype)
+    if layout is None:
+        return None
+    names = [resolved.hf_names[role] for role in resolved.mapping.hf]
+    try:
+        return trace_rows({"megatron": layout},
+                          lambda tracers: dict(resolved.megatron_to_hf([tracers["megatron"][:]], ctx)),
+                          {name: shapes[name] for name in names}, dtype)
+    except NotRows:
+        return None
+
+
+def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any]], ctx: Any,
+            shapes: dict[str, torch.Size], dtype: torch.dtype, writer: PlannedSafetensorsWriter,
+            on_tensor: Any) -> int:
+    """Write every HF tensor in plan order; returns the bytes moved by in-kernel copies."""
+    copier = FileCopier()
+    try:
+        for source, resolved in work:
+            extents = _hf_extents(reader, source, resolved, ctx, shapes, dtype)
+            if extents is not None:
+                for name, ranges in extents.items():
+                    writer.copy(name, ranges, copier)
+                    on_tensor()
+                continue
+            for name, tensor in _hf_tensors(reader, source, resolved, ctx, dtype):
+                writer.write(name, tensor)
+                on_tensor()
+    finally:
+        copier.close()
+    return copier.kernel_bytes
 
 
 def convert_mcore_to_hf(
@@ -165,22 +202,23 @@ def convert_mcore_to_hf(
     dcp_metadata = read_dcp_metadata(ckpt_dir)
     sources = source_tensors(ckpt_dir, config.num_hidden_layers, dcp_metadata)
     out_dtype = DTYPES[dtype or metadata.dtype]
-    work, planned = _plan(metadata, sources, table, expected_hf_shapes(config), out_dtype)
+    hf_shapes = expected_hf_shapes(config)
+    work, planned = _plan(metadata, sources, table, hf_shapes, out_dtype)
     start = time.perf_counter()
     with atomic_output_dir(out, force=force) as tmp:
         writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes))
         with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
             reader = DcpReader(ckpt_dir, dcp_metadata)
             try:
-                for name, tensor in _hf_tensors(reader, work, ShardContext(shapes), out_dtype):
-                    writer.write(name, tensor)
-                    bar.update(1)
+                kernel_bytes = _export(reader, work, ShardContext(shapes), hf_shapes, out_dtype,
+                                       writer, lambda: bar.update(1))
             finally:
                 reader.close()
         writer.close()
         _write_assets(ckpt_dir, tmp, metadata, config, out_dtype)
     return {"hf_tensors": len(planned), "files": len(writer.files),
-            "bytes": writer.bytes_written, "seconds": time.perf_counter() - start}
+            "bytes": writer.bytes_written, "seconds": time.perf_counter() - start,
+            "kernel_bytes": kernel_bytes}
 
 
 def _write_assets(ckpt_dir: Path, out: Path, metadata: ConvertedMetadata, config: Any,

@@ -16,6 +16,8 @@ from typing import IO
 
 import torch
 
+from checkpoint_tools.byte_copy import Extent, FileCopier
+
 INDEX_FILE = "model.safetensors.index.json"
 
 _DTYPE_CODES = {
@@ -84,17 +86,34 @@ class PlannedSafetensorsWriter:
         self._handle.write(raw)
         self._open_index = index
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def _start(self, name: str) -> PlannedTensor:
         assert self._next < len(self._queue), f"unplanned tensor {name}"
         index, entry = self._queue[self._next]
         assert entry.name == name, f"expected {entry.name}, got {name}"
-        assert tuple(tensor.shape) == entry.shape, (name, tuple(tensor.shape), entry.shape)
-        assert tensor.dtype == entry.dtype, (name, tensor.dtype, entry.dtype)
         if index != self._open_index:
             self._open(index)
+        return entry
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self._start(name)
+        assert tuple(tensor.shape) == entry.shape, (name, tuple(tensor.shape), entry.shape)
+        assert tensor.dtype == entry.dtype, (name, tensor.dtype, entry.dtype)
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         assert self._handle is not None
         self._handle.write(memoryview(data))
+        self.bytes_written += entry.nbytes
+        self._next += 1
+
+    def copy(self, name: str, extents: list[Extent], copier: FileCopier) -> None:
+        """Write tensor `name` (next in plan order) from byte ranges of other files, in the
+        kernel (`byte_copy.FileCopier`); `extents` must cover its bytes exactly."""
+        entry = self._start(name)
+        assert sum(e.nbytes for e in extents) == entry.nbytes, (name, entry.nbytes)
+        assert self._handle is not None
+        self._handle.flush()
+        position = self._handle.tell()
+        copier.copy(self._handle.fileno(), position, extents)
+        self._handle.seek(position + entry.nbytes)
         self.bytes_written += entry.nbytes
         self._next += 1
 

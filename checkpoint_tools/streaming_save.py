@@ -19,6 +19,16 @@ from typing import Any
 
 import torch
 
+from checkpoint_tools.byte_copy import (
+    CopyRegistry,
+    Extent,
+    NotRows,
+    RowLayout,
+    RowRun,
+    cut_extents,
+    kernel_copy_filesystem,
+    trace_rows,
+)
 from rlhf_megatron.errors import CheckpointError
 
 _LAYERS = "decoder.layers."
@@ -35,12 +45,18 @@ class ChunkSource:
     """
 
     def __init__(self, checkpoint: Any, table: Any, ctx: Any,
-                 on_tensor: Callable[[], None] | None = None) -> None:
+                 on_tensor: Callable[[], None] | None = None,
+                 registry: CopyRegistry | None = None) -> None:
         self.checkpoint = checkpoint
         self.table = table
         self.ctx = ctx
         self.on_tensor = on_tensor
+        # With a registry, chunks made of whole HF rows of the stored dtype are placeholders
+        # that the writer fills with in-kernel copies (`byte_copy`).
+        self.registry = registry
         self._cached: tuple[str, torch.Tensor] | None = None
+        self._extents: tuple[str, list[Extent] | None] | None = None
+        self.kernel_tensors = 0
         self.params = 0
         self.bytes = 0
         self.error: CheckpointError | None = None  # the first one raised, for the caller
@@ -74,6 +90,53 @@ class ChunkSource:
                 raise CheckpointError(f"{key}: a stored chunk spans {sizes[0]} layers")
             name, stacked = f"{_LAYERS}{offsets[0]}.{rest}", True
             size, offsets, sizes = size[1:], offsets[1:], sizes[1:]
+        region = self._copied_region(name, size, offsets, sizes, dtype)
+        if region is None:
+            region = self._computed_region(name, size, offsets, sizes, dtype)
+        if stacked:
+            region = region.unsqueeze(0)
+        self.bytes += region.numel() * region.element_size()
+        return region
+
+    def _copied_region(self, name: str, size: tuple[int, ...], offsets: tuple[int, ...],
+                       sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A placeholder for the chunk, to be filled by kernel copies; None when the chunk is not
+        whole rows of HF tensors of `dtype` (the caller then computes it)."""
+        if self.registry is None or not size or tuple(offsets[1:]) != (0,) * (len(size) - 1) \
+                or tuple(sizes[1:]) != tuple(size[1:]):
+            return None
+        if self._extents is None or self._extents[0] != name:
+            self._extents = (name, self._trace(name, size, dtype))
+            if self._extents[1] is not None:
+                self.params += 1
+                self.kernel_tensors += 1
+                if self.on_tensor is not None:
+                    self.on_tensor()
+        extents = self._extents[1]
+        if extents is None:
+            return None
+        row_bytes = torch.Size(size[1:]).numel() * torch.empty((), dtype=dtype).element_size()
+        part = cut_extents(extents, offsets[0] * row_bytes, (offsets[0] + sizes[0]) * row_bytes)
+        return self.registry.placeholder(sizes, dtype, part)
+
+    def _trace(self, name: str, size: tuple[int, ...], dtype: torch.dtype) -> list[Extent] | None:
+        resolved = self.table.resolve(name)
+        if resolved is None:
+            raise CheckpointError(f"no mapping for Megatron parameter {name!r}")
+        sources = {role: self.checkpoint.open(hf) for role, hf in resolved.hf_names.items()}
+        if any(s.data_start is None for s in sources.values()):
+            return None
+        layouts = {role: RowLayout(s.shape, s.dtype, (RowRun(0, int(s.shape[0]) if s.shape else 0,
+                                                             Path(s.file), s.data_start),))
+                   for role, s in sources.items()}
+        try:
+            return trace_rows(layouts, lambda tracers: {"": resolved.mapping.hf_to_megatron(
+                tracers, self.ctx)}, {"": size}, dtype)[""]
+        except NotRows:
+            return None
+
+    def _computed_region(self, name: str, size: tuple[int, ...], offsets: tuple[int, ...],
+                         sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         full = self._megatron_tensor(name)
         if tuple(full.shape) != tuple(size):
             raise CheckpointError(
@@ -86,11 +149,7 @@ class ChunkSource:
         region = region.to(dtype)
         # A part of the cached tensor gets storage of its own: the planner frees each written
         # item's storage (StreamingSavePlanner), which must not free the cached tensor.
-        region = region.contiguous() if whole else region.clone(memory_format=torch.contiguous_format)
-        if stacked:
-            region = region.unsqueeze(0)
-        self.bytes += region.numel() * region.element_size()
-        return region
+        return region.contiguous() if whole else region.clone(memory_format=torch.contiguous_format)
 
 
 def _streaming_planner(source: ChunkSource) -> Any:
@@ -146,12 +205,16 @@ def streaming_strategy(source: ChunkSource) -> Any:
             # directory is renamed into place only after the whole save succeeded.
             writer = dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1, sync_files=False,
                                           single_file_per_rank=True)
+            if source.registry is not None:
+                writer.fs = kernel_copy_filesystem(source.registry)
             # No CRC32 per record (~15% of the save's time here); torch.load, and so
             # Megatron's load, reads such records (see torch.serialization.set_crc32_options).
             crc32 = torch.serialization.get_crc32_options()
             torch.serialization.set_crc32_options(False)
             try:
                 dcp.save(pyt_state_dict, storage_writer=writer, planner=_streaming_planner(source))
+                if source.registry is not None:
+                    source.registry.check_done()
             except BaseException:
                 # torch DCP wraps errors raised while writing in a CheckpointException (a
                 # BaseException); surface ours, whose messages are one line.

@@ -3,8 +3,13 @@
 A tiny fp32 Llama is converted with `hf-to-mcore`; `verify` against the same HF files exits 0.
 Then the HF side gets the kind of damage a wrong mapping does, one tensor at a time: one layer's
 `k_proj` scaled by 1.001, or two query heads of one layer swapped. `verify` must exit 1 with
-MISMATCH, the reported logit difference above its tolerance. (Llama, not Qwen3: Qwen3's per-head
+MISMATCH, the reported log-prob difference above its tolerance. (Llama, not Qwen3: Qwen3's per-head
 k norm undoes a scaled k_proj, measured 1.7e-6.)
+
+And on a deep model (30 layers, init scaled so activations and logits are of realistic size:
+logit RMS ~3.4), at 512 tokens, where a correct conversion's max |logit diff| (~2.8e-4) is above
+the old fixed tolerance of 1e-4: the default passes the correct conversion and fails one
+perturbed tensor.
 """
 
 from __future__ import annotations
@@ -53,11 +58,11 @@ def _damaged_copy(hf_dir: Path, out: Path, damage) -> Path:
     return out
 
 
-def _verify(hf_dir: Path, ckpt: Path, capsys) -> tuple[int, float, float]:
+def _verify(hf_dir: Path, ckpt: Path, capsys, *extra: str) -> tuple[int, float, float]:
     capsys.readouterr()
-    code = main(["verify", "--hf", str(hf_dir), "--ckpt", str(ckpt)])
+    code = main(["verify", "--hf", str(hf_dir), "--ckpt", str(ckpt), *extra])
     line = capsys.readouterr().out
-    found = re.search(r"max \|logit diff\| = (\S+) \(tolerance (\S+)\)", line)
+    found = re.search(r"max \|log-prob diff\| = (\S+) \(tolerance (\S+)\)", line)
     assert found, line
     return code, float(found.group(1)), float(found.group(2))
 
@@ -75,3 +80,31 @@ def test_verify_exits_1_on_one_damaged_tensor(converted, tmp_path, capsys, damag
     code, diff, tolerance = _verify(damaged, ckpt, capsys)
     assert code == 1, (diff, tolerance)
     assert diff > tolerance
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory) -> tuple[Path, Path]:
+    """A 30-layer fp32 Llama, init range 0.2 and lm_head x1.5 (logit RMS ~3.4), converted."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("verify_deep")
+    hf_dir = write_tiny_hf_checkpoint(root / "hf", "LlamaForCausalLM", num_layers=30,
+                                      max_position_embeddings=512, initializer_range=0.2)
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    weights["lm_head.weight"] *= 1.5
+    save_file(weights, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(root / "ckpt"), "--quiet"]) == 0
+    return hf_dir, root / "ckpt"
+
+
+def test_deep_model_at_512_tokens_passes_correct_and_fails_one_perturbed_tensor(deep, tmp_path,
+                                                                               capsys):
+    from checkpoint_tools.verify import compare
+
+    hf_dir, ckpt = deep
+    correct = compare(hf_dir, ckpt, batch=1, seq_len=512)
+    assert correct.max_logit_diff > 1e-4, correct.summary()  # the old fixed tolerance failed it
+    assert correct.ok and correct.top1_agreement == 1.0, correct.summary()
+    damaged = _damaged_copy(hf_dir, tmp_path / "hf", _scale_k_proj)
+    code, diff, tolerance = _verify(damaged, ckpt, capsys, "--batch", "1", "--seq-len", "512")
+    assert code == 1 and diff > tolerance, (diff, tolerance)
