@@ -1,0 +1,102 @@
+"""Completed rollout groups -> the trainer's TokenBatch, and the staleness bookkeeping.
+
+A group's staleness at training time is `trainer_version - oldest_version`: how many weight
+versions the actor moved since the oldest of its tokens was sampled (the actor at step s trains
+with version s - 1 and becomes version s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.rollout.async_engine import RolloutGroup
+from rlhf_megatron.rollout.vllm_engine import RolloutResult
+
+TOKEN_VERSIONS = "token_versions"
+"""Batch field (bs, S) int64: the weight version that sampled each response token (-1 elsewhere)."""
+
+
+def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
+    """Rows prompt-major (group i's samples are rows i*n .. i*n+n-1), right-padded.
+
+    fields: rollout_logprobs (bs, S) aligned with input_ids (0 outside the response),
+    prompt_index (bs,) = the group's position in `groups`, token_versions (bs, S).
+    """
+    rows = [(g.prompt, s, i) for i, g in enumerate(groups) for s in g.samples]
+    width = max(len(p) + len(s.tokens) for p, s, _ in rows)
+    bs = len(rows)
+    ids = torch.zeros(bs, width, dtype=torch.long)
+    attn = torch.zeros(bs, width, dtype=torch.long)
+    loss = torch.zeros(bs, width, dtype=torch.long)
+    lps = torch.zeros(bs, width, dtype=torch.float32)
+    versions = torch.full((bs, width), -1, dtype=torch.long)
+    for row, (prompt, sample, _) in enumerate(rows):
+        p, r = len(prompt), len(sample.tokens)
+        ids[row, : p + r] = torch.tensor(prompt + sample.tokens, dtype=torch.long)
+        attn[row, : p + r] = 1
+        loss[row, p : p + r] = 1
+        if r:
+            lps[row, p : p + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
+            versions[row, p : p + r] = torch.tensor(sample.versions, dtype=torch.long)
+    index = torch.tensor([i for _, _, i in rows], dtype=torch.long)
+    return TokenBatch(ids, attn, loss, {"rollout_logprobs": lps, "prompt_index": index,
+                                        TOKEN_VERSIONS: versions})
+
+
+def groups_to_result(groups: Sequence[RolloutGroup], weight_version: int) -> RolloutResult:
+    """The synchronous engine's RolloutResult for groups generated at one version."""
+    batch = groups_to_batch(groups)
+    finish = [s.finish_reason or "length" for g in groups for s in g.samples]
+    fields = {k: v for k, v in batch.fields.items() if k != TOKEN_VERSIONS}
+    return RolloutResult(TokenBatch(batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                    fields), finish, weight_version)
+
+
+@dataclass
+class StalenessSplit:
+    """Groups kept for training, groups dropped for being too stale, and the metrics."""
+
+    kept: list[RolloutGroup]
+    dropped: list[RolloutGroup]
+    metrics: dict[str, float]
+
+
+def split_by_staleness(groups: Sequence[RolloutGroup], trainer_version: int,
+                       max_staleness: int) -> StalenessSplit:
+    """Keep groups whose oldest token is at most `max_staleness` versions behind the trainer.
+
+    metrics: async/staleness_<k> (fraction of the taken groups k versions behind, k = 0..max
+    seen), async/staleness_mean, async/dropped_groups, async/partial_frac (groups whose samples
+    span more than one version: they crossed a refit)."""
+    lags = [trainer_version - g.oldest_version for g in groups]
+    kept = [g for g, lag in zip(groups, lags) if lag <= max_staleness]
+    dropped = [g for g, lag in zip(groups, lags) if lag > max_staleness]
+    metrics: dict[str, float] = {
+        "async/dropped_groups": float(len(dropped)),
+        "async/staleness_mean": sum(lags) / max(len(lags), 1),
+        "async/partial_frac": sum(g.versions_spanned > 1 for g in groups) / max(len(groups), 1),
+    }
+    for lag in range(0, max(lags, default=0) + 1):
+        metrics[f"async/staleness_{lag}"] = sum(x == lag for x in lags) / max(len(lags), 1)
+    return StalenessSplit(kept, dropped, metrics)
+
+
+def logprob_diff_by_lag(batch: TokenBatch, trainer_version: int) -> dict[str, float]:
+    """`rollout/logprob_diff_lag<k>`: mean |behaviour - trainer| log-prob over the response
+    tokens sampled k versions behind the trainer (needs batch.old_logprobs)."""
+    old = batch.old_logprobs
+    versions = batch.fields.get(TOKEN_VERSIONS)
+    if old is None or versions is None:
+        return {}
+    diff = (batch.rollout_logprobs - old).abs()
+    mask = batch.loss_mask.bool()
+    lag = trainer_version - versions
+    out = {}
+    for k in sorted(set(lag[mask].tolist())):
+        sel = mask & (lag == k)
+        out[f"rollout/logprob_diff_lag{k}"] = float(diff[sel].mean())
+    return out

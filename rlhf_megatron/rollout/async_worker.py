@@ -1,0 +1,76 @@
+"""AsyncRolloutWorker: one AsyncRolloutEngine as a Ray actor, for trainer.rollout_mode
+one_step_off / async. It answers the same refit protocol as the synchronous RolloutWorker
+(begin_weight_update, load_bucket(handle), finish_weight_update(version)), so refit/ drives it
+unchanged; buckets arrive as transport handles and are handed to vLLM's worker process as such.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf_megatron.rollout.async_batch import groups_to_result
+from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine, RolloutGroup
+from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
+
+
+class AsyncRolloutWorker:
+    def __init__(self, name: str, hf_dir: str, config: RolloutConfig, capacity: int = 64) -> None:
+        self.name = name
+        self.engine = AsyncRolloutEngine(hf_dir, config, capacity=capacity)
+        self._broadcast: dict[tuple[str, int], Any] = {}
+
+    # generation -----------------------------------------------------------------
+    def submit(self, items: Sequence[tuple[int, Sequence[int]]], sampling: SamplingSettings,
+               seed: int | None) -> int:
+        self.engine.submit(items, sampling, seed)
+        return len(items)
+
+    def take(self, count: int, timeout: float | None = None) -> list[RolloutGroup]:
+        return self.engine.take(count, timeout)
+
+    def counts(self) -> dict[str, int]:
+        return self.engine.counts()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Any:
+        """The synchronous engine's generate (validation): a RolloutResult, prompt-major."""
+        groups = self.engine.generate_groups(prompts, sampling, sampling.seed)
+        return groups_to_result(groups, self.engine.weight_version)
+
+    # refit ----------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    def load_bucket(self, handle: Any) -> int:
+        from rlhf_megatron.refit.transports import BroadcastHandle, BroadcastReceiver
+
+        if isinstance(handle, BroadcastHandle):  # another node: receive here, stage locally
+            address = tuple(handle.address)
+            if address not in self._broadcast:
+                self._broadcast[address] = BroadcastReceiver(address)
+            tensors = self._broadcast[address].receive(handle)
+            self.engine.load_weights(tensors)
+            return len(tensors)
+        return self.engine.load_bucket(handle)
+
+    def finish_weight_update(self, version: int) -> int:
+        return self.engine.finish_weight_update(version)
+
+    # the synchronous worker's remaining surface -----------------------------------
+    def sleep(self) -> None:
+        """Async modes run on split pools: vLLM keeps its memory."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """See sleep()."""
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
