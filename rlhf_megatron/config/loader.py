@@ -4,6 +4,13 @@
 
 Values are type-checked against the schema's annotations: an unknown key (with a "did you mean"),
 a wrong type or a value a section rejects raises ConfigError naming the dotted key.
+
+Interpolation: a string value may refer to another key as `${section.key}` (the OmegaConf syntax
+verl and Hydra users know), also inside text (`"runs/${trainer.seed}"`) and in overrides
+(`rollout.seed=${trainer.seed}`), and may use OmegaConf's resolvers (`${oc.env:VAR,default}`).
+A key left at its default can be referred to. `\${...}` is a literal `${...}`. Interpolations are
+resolved by OmegaConf after the overrides, before the typed checks, so a resolved value is checked
+like a written one; an interpolation that names no key is a one-line error with a suggestion.
 """
 
 from __future__ import annotations
@@ -30,7 +37,79 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     for override in overrides:
         key, value = parse_override(override)
         set_dotted(data, key, value)
+    if _has_interpolation(data):
+        data = resolve_interpolations(with_defaults(TrainConfig, data))
     return build_dataclass(TrainConfig, data, "")
+
+
+def _has_interpolation(value: Any) -> bool:
+    if isinstance(value, str):
+        return "${" in value
+    if isinstance(value, Mapping):
+        return any(_has_interpolation(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_interpolation(v) for v in value)
+    return False
+
+
+def with_defaults(cls: type, data: Any) -> Any:
+    """`data` with every schema field it leaves out filled with its default (plain values),
+    section by section, so interpolations can refer to defaults. Unknown keys are kept (the typed
+    build reports them)."""
+    if not isinstance(data, Mapping):
+        return data
+    hints = typing.get_type_hints(cls)
+    defaults = cls()
+    merged = dict(data)
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        section = hints[field.name]
+        if field.name in data:
+            if dataclasses.is_dataclass(section):
+                merged[field.name] = with_defaults(section, data[field.name])
+        else:
+            merged[field.name] = _plain(_as_plain(getattr(defaults, field.name)))
+    return merged
+
+
+def _as_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _as_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.init}
+    return value
+
+
+def resolve_interpolations(data: dict[str, Any]) -> dict[str, Any]:
+    """Resolve `${...}` with OmegaConf; its errors become one-line ConfigErrors naming the key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
+
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    except InterpolationKeyError as exc:
+        missing = str(exc.msg).split("'")[1] if exc.msg.count("'") >= 2 else ""
+        raise ConfigError(f"config key '{exc.full_key}': the interpolation ${{{missing}}} names "
+                          f"no key{_suggest_path(data, missing)}") from None
+    except OmegaConfBaseException as exc:
+        where = f"config key '{exc.full_key}': " if getattr(exc, "full_key", None) else ""
+        raise ConfigError(f"{where}{str(exc.msg).splitlines()[0]}") from None
+    assert isinstance(resolved, dict)
+    return resolved
+
+
+def _suggest_path(data: Mapping[str, Any], dotted: str) -> str:
+    """' (did you mean ...)' for the first part of `dotted` that `data` does not have."""
+    node: Any = data
+    for depth, part in enumerate(dotted.split(".")):
+        if not isinstance(node, Mapping):
+            return ""
+        if part not in node:
+            close = difflib.get_close_matches(part, [str(k) for k in node], n=1)
+            prefix = ".".join(dotted.split(".")[:depth] + close[:1])
+            return f" (did you mean '{prefix}'?)" if close else ""
+        node = node[part]
+    return ""
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -185,8 +264,12 @@ def save_config(config: TrainConfig, path: Path) -> None:
 
 
 def _plain(value: Any) -> Any:
+    """Plain YAML values; a literal `${` is written escaped, so that reading it back (where it
+    would be an interpolation) gives the same string."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
     return value
