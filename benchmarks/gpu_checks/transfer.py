@@ -150,7 +150,7 @@ def _export_digests(engine: Any) -> dict[str, tuple[int, int]]:
 
 def check_refit_hf(ctx: CheckContext) -> None:
     from rlhf_megatron.refit import refit_rollout
-    from rlhf_megatron.workers.rollout_client import local_transport
+    from rlhf_megatron.refit.fanout import local_transport
 
     device = "cuda" if ctx.cuda else "cpu"
     dtype, torch_dtype = ("bf16", torch.bfloat16) if ctx.cuda else ("fp32", torch.float32)

@@ -2,7 +2,8 @@
 
 Megatron groups: rank 0 reports a rendezvous address, then every rank joins torch.distributed and
 builds its engines. Rollout workers start vLLM. All of it runs concurrently (the imports and model
-loads of one group overlap with the others').
+loads of one group overlap with the others'). Last, the actor connects to the rollout engines
+(refit's topology and transports, once). Each group is handed out behind its typed facade.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rlhf_megatron.config import DevicePlan, TrainConfig
-from rlhf_megatron.controller.ray_cluster import DevicePool
+from rlhf_megatron.config.roles import megatron_roles
+from rlhf_megatron.controller.facades import (
+    ActorGroup,
+    CriticGroup,
+    RewardModelGroup,
+    RolloutGroup,
+)
+from rlhf_megatron.controller.ray_cluster import DevicePool, worker_threads
 from rlhf_megatron.controller.worker_group import WorkerGroup, wait_all
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.workers import EngineSpec, MegatronWorker, RolloutWorker
@@ -18,50 +26,64 @@ from rlhf_megatron.workers import EngineSpec, MegatronWorker, RolloutWorker
 
 @dataclass
 class RunGroups:
-    actor: WorkerGroup
-    rollout: WorkerGroup
-    critic: WorkerGroup | None = None
-    reward_model: WorkerGroup | None = None
+    """The run's worker groups, each behind its typed facade (controller/facades.py)."""
+
+    actor: ActorGroup
+    rollout: RolloutGroup
+    critic: CriticGroup | None = None
+    reward_model: RewardModelGroup | None = None
 
     def all(self) -> list[WorkerGroup]:
-        return [g for g in (self.actor, self.rollout, self.critic, self.reward_model) if g]
+        return [f.workers for f in (self.actor, self.rollout, self.critic, self.reward_model)
+                if f is not None]
+
+    def pids(self) -> list[int]:
+        """The process ids of every worker of the run."""
+        return [pid for f in (self.actor, self.rollout, self.critic, self.reward_model)
+                if f is not None for pid in f.pids()]
 
     def kill(self) -> None:
         for group in self.all():
             group.kill()
 
 
+_FACADES = {"actor": ActorGroup, "critic": CriticGroup, "reward_model": RewardModelGroup}
+
+
 def _megatron_specs(cfg: TrainConfig) -> dict[str, EngineSpec]:
+    """One EngineSpec per role of config.roles.megatron_roles."""
     seed = cfg.trainer.seed
-    specs = {"actor": EngineSpec("actor", cfg.model.path, cfg.actor.layout,
-                                 replace(cfg.actor.engine, seed=seed),
-                                 with_reference=cfg.uses_reference, seed=seed)}
-    if cfg.uses_critic:
-        specs["critic"] = EngineSpec("critic", cfg.critic.path or cfg.model.path,
-                                     cfg.critic.layout, replace(cfg.critic.engine, seed=seed),
-                                     seed=seed)
-    if cfg.uses_reward_model:
-        specs["reward_model"] = EngineSpec("reward_model", cfg.reward_model.path,
-                                           cfg.reward_model.layout, cfg.reward_model.engine,
-                                           seed=seed)
+    paths = {"actor": cfg.model.path, "critic": cfg.critic.path or cfg.model.path,
+             "reward_model": cfg.reward_model.path}
+    specs = {}
+    for role, section in megatron_roles(cfg):
+        trains = role != "reward_model"  # a trained engine's seed is the run's
+        specs[role] = EngineSpec(role, paths[role], section.layout,
+                                 replace(section.engine, seed=seed) if trains else section.engine,
+                                 with_reference=role == "actor" and cfg.uses_reference,
+                                 seed=seed)
     return specs
 
 
 def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool]) -> RunGroups:
+    """Start every worker, build the engines, and connect the actor to the rollout engines
+    (so each refit is one call with the version)."""
     specs = _megatron_specs(cfg)
     groups: dict[str, WorkerGroup] = {}
     for role, spec in specs.items():
-        world = spec.layout.world_size
+        world, threads = spec.layout.world_size, worker_threads(cfg, plan, role)
         groups[role] = WorkerGroup.create(
             role, MegatronWorker, pools[plan.role_pool[role]], range(world),
-            lambda rank, role=role, world=world: (f"{role}[{rank}]", rank, world))
+            lambda rank, role=role, world=world, threads=threads:
+                (f"{role}[{rank}]", rank, world, threads))
     tp = cfg.rollout.engine.tensor_parallel_size
     rollout_config = cfg.rollout.engine
     groups["rollout"] = WorkerGroup.create(
         "rollout", RolloutWorker, pools[plan.role_pool["rollout"]],
         [engine * tp for engine in range(cfg.rollout.num_engines)],
         lambda rank: (f"rollout[{rank}]", cfg.model.path,
-                      replace(rollout_config, seed=rollout_config.seed + rank)))
+                      replace(rollout_config, seed=rollout_config.seed + rank),
+                      worker_threads(cfg, plan, "rollout")))
     timeout = cfg.ray.startup_timeout_s
     # Rendezvous addresses first (fast), then every setup at once.
     addresses = _rendezvous_addresses(groups, list(specs), timeout)
@@ -78,7 +100,12 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
     results = wait_all(refs, names, "setup", timeout_s=timeout)
     for role in specs:
         groups[role].set_parallel_ranks([r for r, o in zip(results, owners) if o == role])
-    return RunGroups(**groups)
+    facades = {role: _FACADES[role](groups[role]) for role in specs}
+    run_groups = RunGroups(rollout=RolloutGroup(groups["rollout"]), **facades)
+    run_groups.actor.connect_rollout(run_groups.rollout,
+                                     bucket_bytes=cfg.rollout.bucket_mb * 2**20,
+                                     transport=cfg.rollout.refit_transport)
+    return run_groups
 
 
 def _rendezvous_addresses(groups: dict[str, WorkerGroup], roles: list[str],

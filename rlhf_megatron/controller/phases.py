@@ -1,5 +1,9 @@
 """The phases of one PPO/GRPO step, each a named function of the run's state.
 
+Each phase talks to the workers through the typed group facades (controller/facades.py:
+`run.groups.actor.update_policy(batch, settings)`, ...) and reads/adds named batch fields
+(`batch.old_logprobs`, data/batch.py BATCH_FIELDS).
+
     rows, prompts = next_prompts(run)
     batch, m = generate(run, prompts, run.cfg.rollout.sampling, seed)    # vLLM engines
     scores    = score_async(run, batch, rows)                             # off the critical path
@@ -13,7 +17,6 @@ The loop itself is in controller/trainer.py.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,12 +34,11 @@ from rlhf_megatron.algorithms import (
     masked_mean,
 )
 from rlhf_megatron.config import TrainConfig
+from rlhf_megatron.controller.facades import ActorLogProbs
 from rlhf_megatron.controller.groups import RunGroups
-from rlhf_megatron.controller.worker_group import concat_rows, wait_all
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.prompts import PromptLoader, PromptRow
 from rlhf_megatron.engines.actor import PolicyUpdateSettings
-from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rewards import RewardManager
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.metrics import rollout_logprob_diff
@@ -51,6 +53,7 @@ class Run:
     tokenizer: Any
     rewards: RewardManager
     kl_controller: KLController
+    """The only owner of the KL coefficient, in both kl_modes (built from algorithm.kl_coef)."""
     loader: PromptLoader
     """Yields (PromptRow, prompt token ids) pairs."""
     val_items: list[tuple[PromptRow, list[int]]]
@@ -80,49 +83,21 @@ def step_seed(base: int, step: int) -> int:
 
 def generate(run: Run, prompts: Sequence[list[int]], sampling: SamplingSettings,
              seed: int) -> tuple[TokenBatch, dict[str, float]]:
-    """Split the prompts over the rollout engines (contiguous, in order) and gather the
-    responses in prompt-major order; `prompt_index` indexes `prompts`."""
-    group = run.groups.rollout
-    engines = len(group.handles)
-    bounds = [round(i * len(prompts) / engines) for i in range(engines + 1)]
-    refs, names, starts = [], [], []
-    start_time = time.perf_counter()
-    for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        if hi > lo:
-            part = dataclasses.replace(sampling, seed=seed + lo * 100_003)
-            refs.append(group.handles[engine].generate.remote(list(prompts[lo:hi]), part))
-            names.append(group.names[engine])
-            starts.append(lo)
-    results = wait_all(refs, names, "rollout.generate")
-    seconds = time.perf_counter() - start_time
-    batches = []
-    finish: list[str] = []
-    for result, lo in zip(results, starts, strict=True):
-        fields = dict(result.batch.fields)
-        fields["prompt_index"] = fields["prompt_index"] + lo
-        batches.append(result.batch.with_fields(**fields))
-        finish += result.finish_reasons
-    batch = TokenBatch.concat(batches)
+    """Responses to `prompts` from the rollout engines, in prompt-major order; `prompt_index`
+    indexes `prompts`. `seed` is the step's: each prompt's own seed is the engine's rule."""
+    result = run.groups.rollout.generate(prompts, dataclasses.replace(sampling, seed=seed))
+    batch, finish = result.batch, result.finish_reasons
     lengths = batch.loss_mask.sum(-1).float()
     tokens = float(lengths.sum())
     return batch, {
-        "rollout/weight_version": float(_one_weight_version(results, names)),
-        "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        "rollout/weight_version": float(result.weight_version),
+        "rollout/tokens_per_s": tokens / max(result.seconds, 1e-9),
         "batch/tokens": float(batch.attention_mask.sum()),
         "batch/sequences": float(len(batch)),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/clip_ratio": sum(f == "length" for f in finish) / max(len(finish), 1),
     }
-
-
-def _one_weight_version(results: Sequence[Any], names: Sequence[str]) -> int:
-    """The weight version every engine reports it generated with; engines that disagree (one
-    missed a refit) end the run."""
-    versions = {name: result.weight_version for result, name in zip(results, names, strict=True)}
-    if len(set(versions.values())) != 1:
-        raise WorkerFailure(f"rollout engines generated with different weight versions {versions}")
-    return next(iter(versions.values()))
 
 
 def decode_responses(run: Run, batch: TokenBatch) -> list[str]:
@@ -136,35 +111,68 @@ def score_async(run: Run, batch: TokenBatch, rows: Sequence[PromptRow]) -> Any:
     """(bs,) sequence rewards, as a Future: rule/custom rewards run on the reward manager's
     thread pool while the driver waits on the engines; a reward model scores on its group."""
     if run.groups.reward_model is not None:
-        return _Done(concat_rows(run.groups.reward_model.dispatch_dp("score", batch)))
-    index = batch.fields["prompt_index"].tolist()
+        return _Done(run.groups.reward_model.score(batch))
+    index = batch.prompt_index.tolist()
     answers = [rows[i].answer for i in index]
     sources = [rows[i].data_source for i in index]
     future: Future = run.rewards.compute_async(decode_responses(run, batch), answers, sources)
     return future
 
 
+def on_policy_shortcut(cfg: TrainConfig) -> bool:
+    """Whether the actor's "old" log-prob forward is skipped: the batch gets exactly one
+    optimizer step (algorithm.mini_batches == 1), so the old policy is the current one, and
+    nothing needs the old log-probs before the update (no KL-as-reward penalty, no rollout
+    correction or TIS weight, which compare them with the behaviour policy's). The update then
+    uses its own detached log-probs as the old ones (engines/actor.py)."""
+    alg = cfg.algorithm
+    correction = getattr(alg, "rollout_correction", None)
+    return (alg.mini_batches == 1 and alg.kl_mode != "reward"
+            and not getattr(correction, "enabled", False)
+            and alg.policy_loss_config.tis_cap is None)
+
+
 def compute_logprobs_and_values(run: Run, batch: TokenBatch) -> tuple[TokenBatch, dict]:
-    """Old log-probs (+ entropy) from the actor, reference log-probs, critic values: all at once."""
-    pending = {"old": run.groups.actor.submit_dp("compute_old_and_ref_logprobs", batch)}
-    if run.groups.critic is not None:
-        pending["values"] = run.groups.critic.submit_dp("compute_values", batch)
-    done = {key: concat_rows(p.collect()) for key, p in pending.items()}
+    """Old log-probs (+ entropy) from the actor, reference log-probs, critic values: all at once.
+    Under the on-policy shortcut only the reference's (and the critic's) forward runs."""
+    actor, critic = run.groups.actor, run.groups.critic
+    shortcut = on_policy_shortcut(run.cfg)
+    if shortcut:
+        ref = actor.submit_ref_logprobs(batch) if run.cfg.uses_reference else None
+    else:
+        old = actor.submit_logprobs(batch)
+    values = critic.submit_values(batch) if critic is not None else None
     mask = batch.loss_mask.float()
-    fields = {"old_logprobs": done["old"]["logprobs"]}
-    metrics = {"actor/entropy_rollout": float(masked_mean(done["old"]["entropy"], mask))}
-    if "ref_logprobs" in done["old"]:
-        fields["ref_logprobs"] = done["old"]["ref_logprobs"]
-        kl = compute_kl(fields["old_logprobs"], fields["ref_logprobs"], mask,
-                        kind=run.cfg.algorithm.kl_kind)
-        metrics["kl"] = float(masked_mean(kl, mask))
-    if "values" in done:
-        fields["values"] = done["values"]
-        metrics["critic/values_mean"] = float(masked_mean(done["values"], mask))
-    metrics.update(rollout_logprob_diff(batch.fields["rollout_logprobs"], fields["old_logprobs"],
-                                        mask))
-    metrics["rollout/logprob_diff"] = metrics["rollout/logprob_diff_mean"]
+    fields: dict[str, torch.Tensor] = {}
+    metrics: dict[str, float] = {}
+    if shortcut:
+        if ref is not None:
+            fields["ref_logprobs"] = ref.result()
+    else:
+        out = old.result()
+        fields["old_logprobs"] = out.logprobs
+        if out.ref_logprobs is not None:
+            fields["ref_logprobs"] = out.ref_logprobs
+        metrics.update(policy_forward_metrics(run, batch.with_fields(**fields), out))
+    if values is not None:
+        fields["values"] = values.result()
+        metrics["critic/values_mean"] = float(masked_mean(fields["values"], mask))
     return batch.with_fields(**fields), metrics
+
+
+def policy_forward_metrics(run: Run, batch: TokenBatch, out: ActorLogProbs) -> dict[str, float]:
+    """What the actor's forward on the rollout's weights shows: its entropy, the KL to the
+    reference, and how far vLLM's log-probs are from it (a missed refit or a stale cache shows
+    in rollout/logprob_diff_max). From the old-log-prob forward, or under the on-policy shortcut
+    from the update's own forward (the same weights, before the step)."""
+    mask = batch.loss_mask.float()
+    metrics = {"actor/entropy_rollout": float(masked_mean(out.entropy, mask))}
+    if batch.ref_logprobs is not None:
+        kl = compute_kl(out.logprobs, batch.ref_logprobs, mask, kind=run.cfg.algorithm.kl_kind)
+        metrics["kl"] = float(masked_mean(kl, mask))
+    metrics.update(rollout_logprob_diff(batch.rollout_logprobs, out.logprobs, mask))
+    metrics["rollout/logprob_diff"] = metrics["rollout/logprob_diff_mean"]
+    return metrics
 
 
 def compute_advantages_phase(run: Run, batch: TokenBatch,
@@ -181,8 +189,7 @@ def compute_advantages_phase(run: Run, batch: TokenBatch,
                "reward/min": float(scores.min())}
     rewards = token_scores
     if cfg.kl_mode == "reward":
-        penalty = apply_kl_penalty(token_scores, batch.fields["old_logprobs"],
-                                   batch.fields["ref_logprobs"], mask,
+        penalty = apply_kl_penalty(token_scores, batch.old_logprobs, batch.ref_logprobs, mask,
                                    run.kl_controller.value, kind=cfg.kl_kind)
         rewards = penalty.token_level_rewards
         metrics["kl/coef"] = run.kl_controller.value
@@ -190,8 +197,7 @@ def compute_advantages_phase(run: Run, batch: TokenBatch,
     advantages, returns = compute_advantages(
         run.cfg.estimator,
         AdvantageInputs(token_level_rewards=rewards, response_mask=mask,
-                        values=batch.fields.get("values"),
-                        group_ids=batch.fields["prompt_index"]),
+                        values=batch.values, group_ids=batch.prompt_index),
         cfg.advantage)
     metrics["advantages/mean"] = float(masked_mean(advantages, mask))
     metrics["returns/mean"] = float(masked_mean(returns, mask))
@@ -221,48 +227,47 @@ def _average(parts: list[dict[str, float]], prefix: str) -> dict[str, float]:
 
 def update_critic(run: Run, batch: TokenBatch) -> dict[str, float]:
     cfg = run.cfg.algorithm
-    parts = [run.groups.critic.submit_dp("update_critic", mini, cfg.value_clip,
-                                         cfg.aggregation).collect()[0]
+    parts = [run.groups.critic.update(mini, value_clip=cfg.value_clip,
+                                      aggregation=cfg.aggregation)
              for mini in _mini_batches(run, batch)]
     return _average(parts, "critic/")
 
 
-def policy_settings(cfg: TrainConfig) -> PolicyUpdateSettings:
+def policy_settings(cfg: TrainConfig, kl: KLController) -> PolicyUpdateSettings:
+    """The actor update's settings; the KL-loss coefficient is the KL controller's (its only
+    owner), used when algorithm.kl_mode == 'loss'."""
     alg = cfg.algorithm
     return PolicyUpdateSettings(
         loss=alg.policy_loss, loss_config=alg.policy_loss_config, aggregation=alg.aggregation,
         entropy_coeff=alg.entropy_coeff,
-        kl_loss_coeff=alg.kl_coef if alg.kl_mode == "loss" else 0.0, kl_loss_kind=alg.kl_kind,
+        kl_loss_coeff=kl.value if alg.kl_mode == "loss" else 0.0, kl_loss_kind=alg.kl_kind,
         rollout_correction=alg.rollout_correction)
 
 
 def update_actor(run: Run, batch: TokenBatch) -> dict[str, float]:
-    settings = policy_settings(run.cfg)
-    parts = [run.groups.actor.submit_dp("update_policy", mini, settings).collect()[0]
-             for mini in _mini_batches(run, batch)]
-    metrics = _average(parts, "actor/")
+    settings = policy_settings(run.cfg, run.kl_controller)
+    updates = [run.groups.actor.update_policy(mini, settings)
+               for mini in _mini_batches(run, batch)]
+    metrics = _average([u.metrics for u in updates], "actor/")
     metrics["actor/clipfrac"] = metrics.get("actor/pg_clipfrac", 0.0)
+    if updates[0].on_policy is not None:  # the shortcut: one update, its forward's values
+        metrics.update(policy_forward_metrics(run, batch, updates[0].on_policy))
     return metrics
 
 
 def refit(run: Run, version: int) -> dict[str, float]:
-    """Send the actor's weights to every rollout engine (after every update)."""
+    """Send the actor's weights to every rollout engine (after every update); the connection
+    (transports, bucket size) was made once when the groups were built."""
     groups = run.groups
     if run.cfg.resources.mode == "colocated":
         # Weights only: the KV cache stays free until the actor is offloaded (before_generate),
         # so refit's peak is the actor's training state plus vLLM's weights.
-        groups.rollout.call("wake_up", ["weights"])
-    stats = groups.actor.call("refit", list(groups.rollout.handles), version,
-                              run.cfg.rollout.bucket_mb * 2**20, run.cfg.rollout.refit_transport)
-    sender = stats[0]
-    if sender["version"] != version:  # what vLLM reports after finish_weight_update
-        raise WorkerFailure(f"refit to version {version}: the rollout engines report "
-                            f"{sender['version']}")
-    run.weight_version = sender["version"]
+        groups.rollout.wake_up(["weights"])
+    report = groups.actor.refit(version)
+    run.weight_version = report.version
     # Every pipeline stage's sender sends its own layers: bytes and buckets add up over ranks.
-    return {"refit/seconds": max(s["seconds"] for s in stats),
-            "refit/bytes": float(sum(s["bytes"] for s in stats)),
-            "refit/buckets": float(sum(s["buckets"] for s in stats))}
+    return {"refit/seconds": report.seconds, "refit/bytes": float(report.bytes),
+            "refit/buckets": float(report.buckets)}
 
 
 def before_generate(run: Run) -> dict[str, float]:
@@ -272,11 +277,11 @@ def before_generate(run: Run) -> dict[str, float]:
     RSS on CPU)."""
     metrics: dict[str, float] = {}
     if run.cfg.actor.offload_during_rollout:
-        ranks = run.groups.actor.call("offload")
-        metrics["actor/offload_bytes"] = float(sum(r["bytes"] for r in ranks))
-        metrics["actor/offload_freed_bytes"] = float(sum(r["freed"] for r in ranks))
+        moved = run.groups.actor.offload()
+        metrics["actor/offload_bytes"] = moved["bytes"]
+        metrics["actor/offload_freed_bytes"] = moved["freed"]
     if run.cfg.resources.mode == "colocated":
-        run.groups.rollout.call("wake_up", ["kv_cache"])
+        run.groups.rollout.wake_up(["kv_cache"])
     return metrics
 
 
@@ -284,10 +289,9 @@ def after_generate(run: Run) -> dict[str, float]:
     """Hybrid layout: vLLM sleeps (KV cache freed) while the engines train; the actor comes back
     (`actor/onload_restored_bytes`: the rise in resident memory, summed over ranks)."""
     if run.cfg.resources.mode == "colocated":
-        run.groups.rollout.call("sleep")
+        run.groups.rollout.sleep()
     if run.cfg.actor.offload_during_rollout:
-        ranks = run.groups.actor.call("onload")
-        return {"actor/onload_restored_bytes": float(sum(r["restored"] for r in ranks))}
+        return {"actor/onload_restored_bytes": run.groups.actor.onload()}
     return {}
 
 

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_megatron.config import DevicePlan, TrainConfig
+from rlhf_megatron.config.roles import device_needs, megatron_roles
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.platform import current_platform
 
+# One intra-op thread at start-up and between calls; a worker takes its share of its pool's cores
+# only while it computes (worker_threads, workers/threads.py).
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -51,6 +54,32 @@ class DevicePool:
         if self.uses_gpu:
             options["num_gpus"] = share
         return options
+
+
+def worker_threads(cfg: TrainConfig, plan: DevicePlan, role: str) -> int:
+    """Intra-op threads a worker of `role` takes while it computes (CPU; 1 on GPU).
+
+    The cores of a node of the role's pool (its devices there x resources.cpus_per_device,
+    at most this machine's) are split among the workers of that node that compute at the same
+    time: every Megatron rank of the pool (actor and critic forwards run together) in a Megatron
+    phase, every vLLM engine of the pool while generating. In the hybrid layout the phases take
+    turns, so each phase gets all the shared cores; split pools keep their own.
+    """
+    if current_platform().is_cuda:
+        return 1
+    res = cfg.resources
+    pool = plan.role_pool[role]
+    devices = plan.pools[pool]
+    nodes = -(-devices // res.devices_per_node)
+    cores = min(devices, res.devices_per_node) * res.cpus_per_device
+    cores = min(cores, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1)
+    needs = device_needs(cfg)
+    if role == "rollout":
+        busy = cfg.rollout.num_engines
+    else:
+        busy = sum(needs[r] for r, _ in megatron_roles(cfg) if plan.role_pool[r] == pool)
+    return max(1, int(cores // -(-busy // nodes)))
 
 
 def start_ray(cfg: TrainConfig, plan: DevicePlan) -> None:

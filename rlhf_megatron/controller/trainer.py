@@ -92,10 +92,9 @@ def _progress_bar(cfg: Any, start_step: int) -> Any:
 def save_checkpoint(run: Run, store: CheckpointStore, step: int) -> Path:
     """Engines write into a temp dir; the store renames it into place once all is written."""
     temp = store.begin(step)
-    groups = [("actor", run.groups.actor), ("critic", run.groups.critic)]
-    for name, group in groups:
-        if group is not None:
-            group.call("save_checkpoint", str(temp / name), step)
+    run.groups.actor.save_checkpoint(str(temp / "actor"), step)
+    if run.groups.critic is not None:
+        run.groups.critic.save_checkpoint(str(temp / "critic"), step)
     state = {"step": step, "loader": run.loader.state_dict(),
              "kl_coef": run.kl_controller.value, "weight_version": run.weight_version}
     return store.commit(step, temp, state)
@@ -105,9 +104,9 @@ def restore_checkpoint(run: Run, store: CheckpointStore, path: Path) -> int:
     """Load engines and controller state from `path`, push the restored weights to vLLM, and
     return the next step to run."""
     state = store.load_controller_state(path)
-    run.groups.actor.call("load_checkpoint", str(path / "actor"))
+    run.groups.actor.load_checkpoint(str(path / "actor"))
     if run.groups.critic is not None:
-        run.groups.critic.call("load_checkpoint", str(path / "critic"))
+        run.groups.critic.load_checkpoint(str(path / "critic"))
     run.loader.load_state_dict(state["loader"])
     run.kl_controller.value = float(state["kl_coef"])
     phases.refit(run, version=int(state["weight_version"]))

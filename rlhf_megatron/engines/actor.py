@@ -114,14 +114,20 @@ class ActorEngine(ReferenceEngine):
     def update_policy(self, batch: TokenBatch, settings: PolicyUpdateSettings) -> dict[str, float]:
         """One optimizer step on this DP rank's share of the global batch.
 
-        batch.fields must hold 'old_logprobs' and 'advantages' (bs, S); optionally
+        batch.fields must hold 'advantages' (bs, S) and, unless this is the batch's only
+        optimizer step, 'old_logprobs' (bs, S): without them the update uses its own detached
+        log-probs as the old ones (the on-policy shortcut: ratio 1, same gradient); optionally
         'rollout_logprobs' (for TIS and rollout correction) and 'ref_logprobs' (for the KL loss).
         With rollout correction on, rejected tokens leave the loss mask of every term and the
         global normaliser. Returns metrics averaged over micro-batches and DP ranks, plus
-        grad_norm and lr.
+        grad_norm and lr. After an on-policy update (no 'old_logprobs'), `self.on_policy_values`
+        holds {'logprobs', 'entropy'}: (bs, S), detached, zero outside loss_mask: what the
+        skipped forward would have given (the controller's rollout metrics read them).
         """
+        on_policy = "old_logprobs" not in batch.fields
+        self.on_policy_values: dict[str, torch.Tensor] | None = None
         correcting = settings.rollout_correction.enabled
-        for name in ("old_logprobs", "advantages") + (
+        for name in ("advantages",) + (("old_logprobs",) if correcting else ()) + (
             ("ref_logprobs",) if settings.kl_loss_coeff else ()
         ) + (("rollout_logprobs",) if correcting else ()):
             if name not in batch.fields:
@@ -141,7 +147,7 @@ class ActorEngine(ReferenceEngine):
             if correction is not None:
                 mask = correction.mask
             inputs = PolicyLossInputs(
-                log_prob=lp, old_log_prob=rows.fields["old_logprobs"],
+                log_prob=lp, old_log_prob=rows.fields.get("old_logprobs", lp.detach()),
                 advantages=rows.fields["advantages"], response_mask=mask,
                 rollout_log_prob=rows.fields.get("rollout_logprobs"),
                 is_weights=None if correction is None else correction.weights,
@@ -163,9 +169,17 @@ class ActorEngine(ReferenceEngine):
                 )
                 loss = loss + settings.kl_loss_coeff * kl
                 values["kl_loss"] = float(kl.detach())
+            if on_policy:  # per-token values for the controller (popped before the reduction)
+                values["token/logprobs"] = lp.detach() * micro.rows.loss_mask
+                values["token/entropy"] = entropy.detach() * micro.rows.loss_mask
             return loss * scale, values
 
         results = self.run_micro_batches(micro_batches, policy_loss, forward_only=False)
+        if on_policy:
+            self.on_policy_values = {
+                name: self.rows_in_batch_order(
+                    batch, micro_batches, [r.pop(f"token/{name}") for r in results])
+                for name in ("logprobs", "entropy")}
         metrics = self.reduce_metrics(results, summed={"pg_loss", "entropy", "kl_loss"})
         metrics.update(self.optimizer_step())
         return metrics

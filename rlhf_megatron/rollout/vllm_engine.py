@@ -45,6 +45,13 @@ class RolloutResult:
 _SEED_STRIDE = 100_003
 
 
+def prompt_seed(seed: int | None, prompt: int) -> int | None:
+    """The sampling seed of prompt number `prompt` of a step whose seed is `seed` (None: unseeded).
+    Every prompt gets its own stream; vLLM offsets the n samples of one prompt from it, so the
+    stride keeps the streams of prompts apart. The one place this rule is written."""
+    return None if seed is None else seed + prompt * _SEED_STRIDE
+
+
 def _load_on_gpu_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.model.load_weights(weights=named_tensors)
 
@@ -89,8 +96,13 @@ class VllmRolloutEngine:
         return LLM(**kwargs)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> RolloutResult:
-        """Sample `sampling.n` responses per prompt (token ids in, token ids + logprobs out)."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 first_prompt: int = 0) -> RolloutResult:
+        """Sample `sampling.n` responses per prompt (token ids in, token ids + logprobs out).
+
+        `prompts` are prompts first_prompt, first_prompt + 1, ... of the step (an engine's share
+        of them): each samples with prompt_seed(sampling.seed, its number) and its rows get that
+        number as `prompt_index`, so the split over engines changes neither."""
         from vllm import SamplingParams
 
         sampling.validate()
@@ -103,13 +115,11 @@ class VllmRolloutEngine:
                 f"prompt of {longest} tokens + max_tokens={sampling.max_tokens} exceeds "
                 f"max_model_len={self.config.max_model_len}"
             )
-        # A seed gives every prompt its own stream (seed + i * stride); vLLM offsets the n
-        # samples of one prompt from it, so the stride keeps the streams of prompts apart.
         params = [SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0,
             stop_token_ids=list(sampling.stop_token_ids),
-            seed=None if sampling.seed is None else sampling.seed + i * _SEED_STRIDE,
+            seed=prompt_seed(sampling.seed, first_prompt + i),
         ) for i in range(len(prompts))]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
@@ -121,7 +131,7 @@ class VllmRolloutEngine:
                 rows.append((list(prompt), response))
                 logprobs.append([_chosen_logprob(d, t) for d, t in zip(sample.logprobs, response)])
                 finish.append(str(sample.finish_reason))
-                index.append(prompt_index)
+                index.append(first_prompt + prompt_index)
         return RolloutResult(_to_batch(rows, logprobs, index), finish, self.weight_version)
 
     def score_logprobs(self, batch: TokenBatch) -> torch.Tensor:

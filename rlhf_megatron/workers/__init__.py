@@ -1,7 +1,7 @@
-"""Thin Ray actor shells over the engines (one class per role); no logic of their own."""
+"""Thin Ray actor shells over the engines (one class per role); no logic of their own. The
+controller reaches them only through its typed group facades (controller/facades.py)."""
 
 from rlhf_megatron.workers.megatron_worker import EngineSpec, MegatronWorker
-from rlhf_megatron.workers.rollout_client import FanoutTransport, RayRolloutFanout
 from rlhf_megatron.workers.rollout_worker import RolloutWorker
 
-__all__ = ["EngineSpec", "MegatronWorker", "FanoutTransport", "RayRolloutFanout", "RolloutWorker"]
+__all__ = ["EngineSpec", "MegatronWorker", "RolloutWorker"]

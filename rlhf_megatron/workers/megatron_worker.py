@@ -11,7 +11,6 @@ Roles:
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ import torch
 
 from rlhf_megatron.config.roles import MEGATRON_ROLES as ROLES
 from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.platform.net import free_port, node_ip
+from rlhf_megatron.workers.threads import on_cores
 
 
 @dataclass(frozen=True)
@@ -34,27 +35,17 @@ class EngineSpec:
     seed: int = 1234
 
 
-def node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 class MegatronWorker:
     """Rank `rank` of `world_size`; `setup` joins the group and builds the engines."""
 
-    def __init__(self, name: str, rank: int, world_size: int) -> None:
+    def __init__(self, name: str, rank: int, world_size: int, threads: int = 1) -> None:
         self.name, self.rank, self.world_size = name, rank, world_size
+        self.threads = threads
+        """Intra-op threads while computing (workers/threads.py; 1 between calls)."""
         self.spec: EngineSpec | None = None
         self.engine: Any = None
         self.reference: Any = None
-        self._refit_transport: Any = None  # built at the first refit, reused after
+        self.rollout_link: Any = None  # refit.RolloutLink, made by connect_rollout
 
     def address(self) -> tuple[str, int, int]:
         """(node ip, a free port, pid): rank 0's becomes the group's rendezvous."""
@@ -98,12 +89,15 @@ class MegatronWorker:
                 "collector": int(collector)}
 
     # ------------------------------------------------------------------ actor / reference
+    @on_cores
     def compute_logprobs(self, batch: TokenBatch, with_entropy: bool = False) -> dict:
         return self.engine.compute_logprobs(batch, with_entropy=with_entropy)
 
+    @on_cores
     def compute_ref_logprobs(self, batch: TokenBatch) -> dict:
         return self.reference.compute_logprobs(batch)
 
+    @on_cores
     def compute_old_and_ref_logprobs(self, batch: TokenBatch) -> dict:
         """Actor log-probs + entropy and reference log-probs in one call (one round trip)."""
         out = self.engine.compute_logprobs(batch, with_entropy=True)
@@ -111,39 +105,43 @@ class MegatronWorker:
             out["ref_logprobs"] = self.reference.compute_logprobs(batch)["logprobs"]
         return out
 
-    def update_policy(self, batch: TokenBatch, settings: Any) -> dict[str, float]:
-        return self.engine.update_policy(batch, settings)
+    @on_cores
+    def update_policy(self, batch: TokenBatch, settings: Any) -> dict[str, Any]:
+        """{'metrics': {...}}, plus 'logprobs' and 'entropy' (bs, S) of this DP shard after an
+        on-policy update (no old_logprobs: the engine's detached forward values)."""
+        out: dict[str, Any] = {"metrics": self.engine.update_policy(batch, settings)}
+        out.update(self.engine.on_policy_values or {})
+        return out
 
     # ------------------------------------------------------------------ critic / reward model
+    @on_cores
     def compute_values(self, batch: TokenBatch) -> torch.Tensor:
         return self.engine.compute_values(batch)
 
+    @on_cores
     def update_critic(self, batch: TokenBatch, cliprange_value: float,
                       aggregation: str) -> dict[str, float]:
         return self.engine.update_critic(batch, cliprange_value=cliprange_value,
                                          aggregation=aggregation)
 
+    @on_cores
     def score(self, batch: TokenBatch) -> torch.Tensor:
         return self.engine.score(batch)
 
     # ------------------------------------------------------------------ refit, memory, checkpoints
-    def refit(self, rollout_handles: list[Any], version: int, bucket_bytes: int,
-              transport_kind: str = "auto") -> dict:
+    def connect_rollout(self, rollout_handles: list[Any], bucket_bytes: int,
+                        transport_kind: str = "auto") -> None:
+        """Once, after setup: connect to the rollout workers for every later refit."""
+        from rlhf_megatron.refit import connect_rollout
+
+        self.rollout_link = connect_rollout(self.engine, rollout_handles,
+                                            bucket_bytes=bucket_bytes,
+                                            transport_kind=transport_kind)
+
+    @on_cores
+    def refit(self, version: int) -> dict:
         """Every rank calls this; the stage senders stream buckets to every rollout engine."""
-        import ray
-
-        from rlhf_megatron.refit import is_stage_sender, refit_rollout
-        from rlhf_megatron.workers.rollout_client import FanoutTransport, RayRolloutFanout
-
-        client = None
-        if is_stage_sender():
-            client = RayRolloutFanout(rollout_handles)
-            if self._refit_transport is None:  # kept: broadcast groups are costly to set up
-                engine_ips = ray.get([h.node_ip.remote() for h in rollout_handles])
-                self._refit_transport = FanoutTransport(self.engine, engine_ips, node_ip(),
-                                                        transport_kind)
-        stats = refit_rollout(self.engine, client, self._refit_transport, version=version,
-                              bucket_bytes=bucket_bytes)
+        stats = self.rollout_link.refit(version)
         return {"seconds": stats.seconds, "bytes": stats.bytes_sent, "buckets": stats.buckets,
                 "version": stats.version, **{f"phase/{k}": v for k, v in stats.phases.items()}}
 

@@ -1,14 +1,28 @@
-"""Refit's RolloutClient over Ray: one sender fans each bucket out to every rollout engine.
+"""Refit over Ray: the actor's side of its connection to the rollout engines.
 
-The bucket itself never passes through Ray: a handle names a shared-memory segment (CPU, same
-node), a CUDA IPC handle (GPU, same node) or a broadcast group (another node); only those small
-handles are sent, one per engine (FanoutHandle).
+`connect_rollout` is called once on every actor rank when the worker groups are built; it
+chooses the topology (which engines share the sender's node) and keeps the connection, so each
+step's refit is `RolloutLink.refit(version)`.
+
+RayRolloutFanout is refit.RolloutClient over the rollout workers' Ray handles: one sender fans each
+bucket out to every engine. The bucket itself never passes through Ray: a handle names a
+shared-memory segment (CPU, same node), a CUDA IPC handle (GPU, same node) or a broadcast group
+(another node); only those small handles are sent, one per engine (FanoutHandle).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from rlhf_megatron.platform.net import free_port, node_ip
+from rlhf_megatron.refit.export import is_stage_sender
+from rlhf_megatron.refit.refit import RefitStats, refit_rollout
+from rlhf_megatron.refit.transports import (
+    BroadcastTransport,
+    CudaIpcTransport,
+    SharedMemoryTransport,
+)
 
 TRANSPORT_KINDS = ("auto", "local", "broadcast")
 
@@ -59,8 +73,6 @@ class RayRolloutFanout:
 
 def local_transport(engine: Any) -> Any:
     """Same node: CUDA IPC on GPU (the hybrid layout shares the devices), shared memory on CPU."""
-    from rlhf_megatron.refit import CudaIpcTransport, SharedMemoryTransport
-
     if engine.platform.is_cuda:
         return CudaIpcTransport(engine.platform.device())
     return SharedMemoryTransport()
@@ -71,9 +83,6 @@ class FanoutTransport:
     all of them), engines elsewhere get it by broadcast (one two-party group each)."""
 
     def __init__(self, engine: Any, engine_ips: list[str], my_ip: str, kind: str) -> None:
-        from rlhf_megatron.refit import BroadcastTransport
-        from rlhf_megatron.workers.megatron_worker import free_port
-
         if kind not in TRANSPORT_KINDS:
             raise ValueError(f"refit transport {kind!r}: expected one of {TRANSPORT_KINDS}")
         self.remote: dict[int, Any] = {}
@@ -113,3 +122,38 @@ class FanoutTransport:
         for transport in [self.local, *self.remote.values()]:
             if transport is not None:
                 transport.close()
+
+
+class RolloutLink:
+    """One actor rank's connection to the rollout engines (see connect_rollout). On ranks that
+    are not a stage sender `client` and `transport` are None: those ranks only take part in the
+    TP gathers of a refit."""
+
+    def __init__(self, engine: Any, client: RayRolloutFanout | None,
+                 transport: FanoutTransport | None, bucket_bytes: int) -> None:
+        self.engine, self.client, self.transport = engine, client, transport
+        self.bucket_bytes = bucket_bytes
+
+    def refit(self, version: int) -> RefitStats:
+        """Send the engine's current weights to every rollout engine as `version`; every rank
+        of the actor calls this together."""
+        return refit_rollout(self.engine, self.client, self.transport, version=version,
+                             bucket_bytes=self.bucket_bytes)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def connect_rollout(engine: Any, rollout_handles: list[Any], bucket_bytes: int,
+                    transport_kind: str = "auto") -> RolloutLink:
+    """Connect this actor rank to the rollout workers (Ray handles with begin_weight_update /
+    load_bucket / finish_weight_update / node_ip) once; call after the engine is built. Stage
+    senders pick each engine's transport by `transport_kind` (TRANSPORT_KINDS)."""
+    import ray
+
+    if not is_stage_sender():
+        return RolloutLink(engine, None, None, bucket_bytes)
+    engine_ips = ray.get([h.node_ip.remote() for h in rollout_handles])
+    transport = FanoutTransport(engine, engine_ips, node_ip(), transport_kind)
+    return RolloutLink(engine, RayRolloutFanout(rollout_handles), transport, bucket_bytes)
