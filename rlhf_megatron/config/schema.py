@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rlhf_megatron.algorithms import AdvantageConfig, PolicyLossConfig, RolloutCorrectionConfig
 from rlhf_megatron.engines.config import EngineConfig
+from rlhf_megatron.offline.config import OfflineSettings
 from rlhf_megatron.parallel.dims import ParallelDims
 from rlhf_megatron.rewards.manager import RewardConfig
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
@@ -77,7 +78,8 @@ class DataSection:
 @dataclass
 class AlgorithmSection:
     name: str = "grpo"
-    """'grpo' (group advantages, no critic) or 'ppo' (critic, GAE)."""
+    """'grpo' (group advantages, no critic) or 'ppo' (critic, GAE); offline (no rollout, see
+    rlhf_megatron/offline/): 'sft', 'dpo' or 'kto', set up by `offline` below."""
     advantage_estimator: str | None = None
     """Name in ADVANTAGE_ESTIMATORS; None: 'grpo' for grpo, 'gae' for ppo."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -106,6 +108,8 @@ class AlgorithmSection:
     """PPO value-loss clip range."""
     critic_warmup_steps: int = 0
     """PPO: train only the critic for this many steps first."""
+    offline: OfflineSettings = field(default_factory=OfflineSettings)
+    """SFT / DPO / KTO settings (beta, DPO loss, KTO lambdas, dataset keys, max_length)."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ from rlhf_megatron.algorithms import (
 from rlhf_megatron.config.roles import device_needs, megatron_roles  # noqa: F401
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
+from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 
 ALGORITHMS = ("grpo", "ppo")
@@ -45,6 +46,10 @@ class DevicePlan:
 
 def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan:
     """Check the whole config; return the device plan the controller will place."""
+    if cfg.algorithm.name in OFFLINE_ALGORITHMS:  # SFT/DPO/KTO: actor only, no rollout
+        from rlhf_megatron.offline.validate import validate_offline_config
+
+        return validate_offline_config(cfg, check_paths=check_paths)
     _check_algorithm(cfg)
     _check_trainer(cfg)
     for name, engine in _engines(cfg):
@@ -83,7 +88,7 @@ def _one_of(key: str, value: Any, allowed: Any) -> None:
 
 def _check_algorithm(cfg: TrainConfig) -> None:
     alg = cfg.algorithm
-    _one_of("algorithm.name", alg.name, ALGORITHMS)
+    _one_of("algorithm.name", alg.name, ALGORITHMS + OFFLINE_ALGORITHMS)
     _one_of("algorithm.advantage_estimator", cfg.estimator, ADVANTAGE_ESTIMATORS.names())
     _one_of("algorithm.policy_loss", alg.policy_loss, POLICY_LOSSES.names())
     _one_of("algorithm.aggregation", alg.aggregation, AGGREGATION_MODES)
