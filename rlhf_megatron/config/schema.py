@@ -177,6 +177,10 @@ class ResourcesSection:
     """Split mode: devices of the reward-model pool."""
     cpus_per_device: float = 1.0
     """Ray CPUs reserved per device (per bundle)."""
+    worker_threads: int | None = None
+    """CPU: intra-op threads of a worker while it computes. None: threads follow the work (each
+    phase splits the cores of its pool among the workers computing in it; docs/CONTROLLER.md);
+    N: every worker uses N (1 = the behaviour before threads followed the work)."""
 
 
 @dataclass

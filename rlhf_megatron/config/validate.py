@@ -245,6 +245,11 @@ def plan_devices(cfg: TrainConfig) -> DevicePlan:
     if res.nodes < 1 or res.devices_per_node < 1 or res.cpus_per_device <= 0:
         raise ConfigError(f"resources.nodes={res.nodes}, devices_per_node={res.devices_per_node}, "
                           f"cpus_per_device={res.cpus_per_device}: all must be positive")
+    if res.worker_threads is not None and (isinstance(res.worker_threads, bool)
+                                           or not isinstance(res.worker_threads, int)
+                                           or res.worker_threads < 1):
+        raise ConfigError(f"resources.worker_threads={res.worker_threads!r}: must be a positive "
+                          "integer or null")
     total = res.nodes * res.devices_per_node
     rollout_tp = cfg.rollout.engine.tensor_parallel_size
     if rollout_tp > res.devices_per_node:

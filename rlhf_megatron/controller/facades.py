@@ -1,16 +1,16 @@
 """Typed facades over the worker groups: what the controller may ask of each role.
 
-The phases call these methods (`actor.update_policy(batch, settings)`, `rollout.generate(...)`);
-a facade calls its workers' methods by their Python names (`self._dp.update_policy(batch,
-settings)` runs MegatronWorker.update_policy on every rank, sharded over DP), so no call site
-names a method by a string. A `submit_*`
-method starts a DP-sharded call and returns a Pending; `.result()` waits for it (so the actor's
-and the critic's forwards run at once). Adding a worker method: define it on the worker class
-(workers/), add one typed method here that calls it, and call that from the phases.
+The phases call these methods (`actor.update_policy(batch, settings)`, `rollout.generate(...)`).
+A facade calls its workers' methods by their Python names (`self._dp.update_policy(batch,
+settings)` runs MegatronWorker.update_policy on every rank, the batch sharded over DP), so no
+call site names a method by a string. A `submit_*` method starts a DP-sharded call and returns
+a Pending; `.result()` waits for it (so the actor's and the critic's forwards run at once).
+Adding a worker method: define it on the worker class (workers/), add one typed method here that
+calls it, and call that from the phases.
 
-Threads follow the work (CPU): every call into a worker carries no thread count; each worker
-knows its share of its pool's cores (`threads`, set at creation, see ray_cluster.worker_threads)
-and takes it for the duration of the phase (workers/threads.py).
+Threads follow the work (CPU): a call carries no thread count; each worker knows its share of its
+pool's cores (`threads`, set at creation from ray_cluster.worker_threads) and takes it for the
+length of a compute call (workers/threads.py).
 """
 
 from __future__ import annotations

@@ -64,10 +64,13 @@ def worker_threads(cfg: TrainConfig, plan: DevicePlan, role: str) -> int:
     time: every Megatron rank of the pool (actor and critic forwards run together) in a Megatron
     phase, every vLLM engine of the pool while generating. In the hybrid layout the phases take
     turns, so each phase gets all the shared cores; split pools keep their own.
+    resources.worker_threads, when set, is every worker's count instead.
     """
     if current_platform().is_cuda:
         return 1
     res = cfg.resources
+    if res.worker_threads is not None:
+        return res.worker_threads
     pool = plan.role_pool[role]
     devices = plan.pools[pool]
     nodes = -(-devices // res.devices_per_node)

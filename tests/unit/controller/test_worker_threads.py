@@ -67,3 +67,12 @@ def test_a_call_runs_on_its_threads_then_gives_them_back(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's CPU worker does
     assert _Worker(3).work() == 3
     assert torch.get_num_threads() == 1
+
+
+def test_a_fixed_count_overrides_and_a_bad_one_is_a_config_error() -> None:
+    from rlhf_megatron.errors import ConfigError
+
+    assert _threads("resources.cpus_per_device=2", "resources.worker_threads=1") == {
+        "actor": 1, "rollout": 1}
+    with pytest.raises(ConfigError, match="resources.worker_threads=0"):
+        _threads("resources.worker_threads=0")
