@@ -65,7 +65,7 @@ def _valid(**extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"algorithm.name": "dpo"}, "algorithm.name='dpo': expected one of grpo, ppo"),
+    ({"algorithm.name": "dpp"}, "algorithm.name='dpp': expected one of grpo, ppo, sft, dpo, kto"),
     ({"algorithm.advantage_estimator": "gae"}, "needs a critic"),
     ({"rollout.sampling.n": "1"}, "rollout.sampling.n=1 must be >= 2"),
     ({"algorithm.kl_mode": "loss", "algorithm.kl_controller": "adaptive"}, "needs algorithm.kl_mode='reward'"),
