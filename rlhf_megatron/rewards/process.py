@@ -143,7 +143,13 @@ def _die_with_parent() -> None:
 
 def main(spec: str) -> None:
     """The child: load `spec`, then score batches until stdin closes."""
+    import signal
+
     _die_with_parent()
+    # Ctrl-C in a terminal and the launcher's SIGUSR1 are for the trainer, which stops at the
+    # step's end and still needs its rewards; it kills this process itself.
+    for name in ("SIGINT", "SIGUSR1"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the user's prints must not corrupt the protocol
     stdin = sys.stdin.buffer
