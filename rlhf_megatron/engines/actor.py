@@ -27,7 +27,7 @@ from rlhf_megatron.algorithms import (
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.packing import unpack_rows
 from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
-from rlhf_megatron.engines.vocab_parallel import vocab_parallel_logprobs
+from rlhf_megatron.engines.vocab_parallel import next_token_logprobs
 from rlhf_megatron.errors import ConfigError
 
 
@@ -55,9 +55,9 @@ def token_values_from_logits(
     engine: MegatronEngine, micro: MicroBatch, logits: torch.Tensor, *, compute_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(b, S) log-probs (and entropy) of micro.rows' tokens, aligned with input_ids."""
-    tokens = micro.tokens
-    shifted_lp, shifted_ent = vocab_parallel_logprobs(
-        logits[:, :-1], tokens[:, 1:], vocab_size=engine.vocab_size, compute_entropy=compute_entropy
+    shifted_lp, shifted_ent = next_token_logprobs(
+        logits, micro.full_tokens, vocab_size=engine.vocab_size,
+        compute_entropy=compute_entropy, cp=micro.cp,
     )
 
     def align(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -65,7 +65,7 @@ def token_values_from_logits(
             return None
         values = torch.nn.functional.pad(values, (1, 0))  # position 0 has no context
         if micro.packed is None:
-            return values
+            return values[:, : micro.rows.seq_len]  # CP pads rows to a multiple of 2*cp
         # The first token of each packed row was "predicted" from the previous row: drop it.
         rows = unpack_rows(values.unsqueeze(-1), micro.packed, micro.rows.seq_len).squeeze(-1)
         rows[:, 0] = 0.0

@@ -22,9 +22,11 @@ from rlhf_megatron.data.packing import (
     PackedRows,
     block_causal_mask,
     pack_rows,
+    round_up,
     split_by_token_budget,
 )
 from rlhf_megatron.engines.config import EngineConfig, distributed_optimizer_enabled
+from rlhf_megatron.engines.context_parallel import CpSplit, context_parallel_group
 from rlhf_megatron.engines.offload import Offloader
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.parallel import ParallelDims
@@ -46,6 +48,10 @@ class MicroBatch:
         attention only).
     packed: the packing bookkeeping, or None.
     packed_seq_params: Megatron's PackedSeqParams for THD attention (packed, TE or SDPA).
+    cp: with context parallelism, this CP rank's share of the sequence dimension; tokens and
+        position_ids then hold only this rank's (b, s / cp) or (1, T / cp) positions, and
+        full_tokens the whole (b, s) / (1, T) sequence (each row or packed row padded to a
+        multiple of 2*cp). None (and full_tokens = tokens) without CP.
     """
 
     rows: TokenBatch
@@ -54,6 +60,12 @@ class MicroBatch:
     attention_mask: torch.Tensor | None
     packed: PackedRows | None
     packed_seq_params: Any = None
+    cp: CpSplit | None = None
+    full_tokens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.full_tokens is None:
+            self.full_tokens = self.tokens
 
 
 class MegatronEngine:
@@ -212,7 +224,9 @@ class MegatronEngine:
             )
         budget = self.config.max_tokens_per_micro_batch
         if budget is not None:
-            groups = split_by_token_budget(lengths, budget)
+            # Under CP each row grows to a multiple of 2*cp before it is split; budget that.
+            pad_to = 2 * self.dims.cp if self.dims.cp > 1 else 1
+            groups = split_by_token_budget([round_up(n, pad_to) for n in lengths], budget)
         else:
             size = self.config.micro_batch_size
             if len(batch) % size:
@@ -229,21 +243,40 @@ class MegatronEngine:
             {k: v[:, :width] if v.dim() > 1 else v for k, v in rows.fields.items()},
         )
         device = self.platform.device()
+        cp_size, cp_group = context_parallel_group()
         if not self.config.use_packing:
+            if cp_size > 1:
+                return self._split_dense(rows, width, cp_size, cp_group)
             positions = torch.arange(width).expand(len(rows), -1)
             rows = rows.to(device)  # loss functions combine these fields with model outputs
             return MicroBatch(rows, rows.input_ids, positions.to(device), None, None)
-        packed = pack_rows(rows.input_ids, rows.attention_mask)
+        packed = pack_rows(rows.input_ids, rows.attention_mask,
+                           pad_to=2 * cp_size if cp_size > 1 else 1)
         rows = rows.to(device)
         tokens, positions = packed.tokens.to(device), packed.position_ids.to(device)
         from rlhf_megatron.models.builder import packs_by_cu_seqlens
 
+        if cp_size > 1:  # the unfused attention was refused at build time
+            split = CpSplit.build(packed.padded_lengths.tolist(), cp_group)
+            return MicroBatch(rows, split.local(tokens), split.local(positions), None, packed,
+                              _thd_params(packed, device, cp=True), split, tokens)
         if packs_by_cu_seqlens(unwrap(self.chunks[0])):
             # TE's THD attention and the SDPA core attention keep rows apart through cu_seqlens
             # (no T x T mask); only Megatron's unfused attention needs the block mask.
             return MicroBatch(rows, tokens, positions, None, packed, _thd_params(packed, device))
         return MicroBatch(rows, tokens, positions, block_causal_mask(packed.lengths).to(device),
                           packed)
+
+    def _split_dense(self, rows: TokenBatch, width: int, cp_size: int, group: Any) -> MicroBatch:
+        """Dense rows under CP: pad (b, width) at the end to a multiple of 2*cp, keep this rank's
+        two chunks of each row (Megatron's RoPE picks the same chunks' positions)."""
+        device = self.platform.device()
+        padded = round_up(width, 2 * cp_size)
+        tokens = torch.nn.functional.pad(rows.input_ids, (0, padded - width)).to(device)
+        positions = torch.arange(padded, device=device).expand(len(rows), -1)
+        split = CpSplit.build([padded], group)
+        return MicroBatch(rows.to(device), split.local(tokens), split.local(positions), None,
+                          None, cp=split, full_tokens=tokens)
 
     # ------------------------------------------------------------------ running passes
     def run_micro_batches(
@@ -285,19 +318,22 @@ class MegatronEngine:
                 data_iterator=data,
                 model=self.chunks,
                 num_microbatches=len(micro_batches),
-                seq_length=max(m.tokens.shape[1] for m in micro_batches),
+                # The whole sequence: Megatron divides it by cp for the p2p shapes.
+                seq_length=max(m.full_tokens.shape[1] for m in micro_batches),
                 micro_batch_size=max(m.tokens.shape[0] for m in micro_batches),
                 forward_only=forward_only,
             )
         return results
 
     def loss_scale_for_sum(self, num_micro_batches: int) -> float:
-        """Megatron divides each micro-batch loss by their count and DDP averages over DP(*CP).
-        Losses normalised by the global batch must be summed instead, so multiply this back."""
+        """Megatron divides each micro-batch loss by their count, multiplies it by cp, and DDP
+        averages over DP x CP. Losses normalised by the global batch must be summed over DP
+        instead (the CP ranks of one DP rank compute the same loss, each its own tokens' share
+        of the gradient, engines/context_parallel.py), so multiply by count x DP."""
         from megatron.core import parallel_state
 
-        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        return float(num_micro_batches * dp_cp)
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=False)
+        return float(num_micro_batches * dp)
 
     def optimizer_step(self) -> dict[str, float]:
         """Step the optimizer and the LR schedule; zero the grads for the next step."""
@@ -359,10 +395,11 @@ class MegatronEngine:
         return buffer.cpu()
 
     def all_reduce_dp(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        """All-reduce a CPU tensor over the DP(*CP) group; returns a CPU tensor."""
+        """All-reduce a CPU tensor over the DP group; returns a CPU tensor. (Not over CP: the CP
+        ranks of a DP rank hold the same rows and the same per-row results.)"""
         from megatron.core import parallel_state
 
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=False)
         if dist.get_world_size(group) == 1:
             return tensor
         buffer = tensor.to(self.platform.device())
@@ -400,7 +437,7 @@ class MegatronEngine:
                 local[i] = total if name in summed else total / len(results)
         local = self.broadcast_from_last_stage(local if results else None, like=local)
         totals = self.all_reduce_dp(local.clone())
-        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        dp = parallel_state.get_data_parallel_world_size(with_context_parallel=False)
         return {n: float(totals[i] if n in summed else totals[i] / dp) for i, n in enumerate(names)}
 
     def _metric_names(self, names: list[str]) -> list[str]:
@@ -428,14 +465,24 @@ class MegatronEngine:
         return named
 
 
-def _thd_params(packed: PackedRows, device: torch.device) -> Any:
+def _thd_params(packed: PackedRows, device: torch.device, *, cp: bool = False) -> Any:
+    """THD params of the whole packed sequence. Under CP the offsets stay global (TE and
+    models/sdpa_cp.py split them per rank); the padded ones (rows padded to multiples of 2*cp)
+    are what RoPE and the attention index by, the real ones what TE masks with."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu_seqlens = packed.cu_seqlens.to(device)
-    longest = int(packed.lengths.max())
+    if not cp:
+        longest = int(packed.lengths.max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
+                               cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest,
+                               max_seqlen_kv=longest)
+    padded = packed.cu_seqlens_padded.to(device)
+    longest = int(packed.padded_lengths.max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
 
 def unwrap(chunk: Any) -> Any:
     """The GPTModel inside DDP / Float16Module wrappers."""

@@ -125,15 +125,24 @@ class ValueModelEngine(MegatronEngine):
         micro_batches = self.make_micro_batches(batch)
 
         def read_out(micro: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            values = output.squeeze(-1).float()
-            if micro.packed is not None:
-                values = unpack_rows(values.unsqueeze(-1), micro.packed, micro.rows.seq_len)[..., 0]
+            values = outputs_per_row(micro, output)
             return values.new_zeros(()), {"values": values}
 
         results = self.run_micro_batches(micro_batches, read_out, forward_only=True)
         return micro_batches, self.rows_in_batch_order(
             batch, micro_batches, [r["values"] for r in results]
         )
+
+
+def outputs_per_row(micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+    """The head's (b, s_local, 1) output -> (rows, S) fp32 per row of micro.rows (unpacked; under
+    context parallelism all-gathered over the CP group first, engines/context_parallel.py)."""
+    values = output.squeeze(-1).float()
+    if micro.cp is not None:
+        values = micro.cp.gather(values)
+    if micro.packed is not None:
+        return unpack_rows(values.unsqueeze(-1), micro.packed, micro.rows.seq_len)[..., 0]
+    return values[:, : micro.rows.seq_len]
 
 
 def shift_to_tokens(outputs: torch.Tensor) -> torch.Tensor:
@@ -168,9 +177,7 @@ class CriticEngine(ValueModelEngine):
         scale = self.loss_scale_for_sum(len(micro_batches))
 
         def value_loss(micro: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            outputs = output.squeeze(-1).float()
-            if micro.packed is not None:
-                outputs = unpack_rows(outputs.unsqueeze(-1), micro.packed, micro.rows.seq_len)[..., 0]
+            outputs = outputs_per_row(micro, output)
             rows = micro.rows
             loss, metrics = compute_value_loss(
                 shift_to_tokens(outputs), rows.fields["values"], rows.fields["returns"],

@@ -11,6 +11,8 @@ are excluded from the softmax so the result equals HF's on the unpadded vocabula
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -73,4 +75,32 @@ def vocab_parallel_logprobs(
         shifted = shifted.masked_fill(shifted.isinf(), 0.0)
     weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
     entropy = log_normaliser - weighted / sum_exp
+    return logprobs, entropy
+
+
+def next_token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    vocab_size: int,
+    compute_entropy: bool = True,
+    cp: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) and the entropy at t, for t < T - 1.
+
+    logits: (b, T_local, V_local) of this rank's positions: all T of them without context
+        parallelism; with it (cp: engines/context_parallel.CpSplit) this CP rank's T / cp.
+    tokens: (b, T) int64, the whole sequence (padded, packed: as the model saw it).
+    Returns (b, T - 1) fp32 values in sequence order, on every CP and TP rank. Under CP each rank
+    scores its own positions against their global next tokens and the values are all-gathered;
+    the backward keeps each rank's own positions' gradient (see engines/context_parallel.py).
+    """
+    if cp is None:
+        return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size=vocab_size,
+                                       compute_entropy=compute_entropy)
+    logprobs, entropy = vocab_parallel_logprobs(
+        logits, cp.next_tokens(tokens), vocab_size=vocab_size, compute_entropy=compute_entropy
+    )
+    logprobs = cp.gather(logprobs)[:, :-1]
+    entropy = None if entropy is None else cp.gather(entropy)[:, :-1]
     return logprobs, entropy

@@ -19,13 +19,18 @@ def attention_backend(args: MegatronModelArgs) -> str:
     """The core attention the model of `args` uses: "te", "sdpa" or "unfused".
 
     TE stays the first choice when it imports (CUDA); otherwise SDPA (models/sdpa_attention.py),
-    unless the environment selects Megatron's stock local spec (see LOCAL_SPEC_ENV).
+    unless the environment selects Megatron's stock local spec (see LOCAL_SPEC_ENV). With cp > 1
+    and no TE the SDPA attention runs its context-parallel path (models/sdpa_cp.py).
     """
     if args.use_te_spec:
         return "te"
     choice = os.environ.get(LOCAL_SPEC_ENV, "sdpa")
     if choice not in _LOCAL_SPECS:
         raise ConfigError(f"{LOCAL_SPEC_ENV}={choice!r}: expected one of {list(_LOCAL_SPECS)}")
+    cp = args.transformer_config.context_parallel_size
+    if cp > 1 and choice != "sdpa":
+        raise ConfigError(f"cp={cp} without Transformer Engine needs the SDPA core attention "
+                          f"({LOCAL_SPEC_ENV}=sdpa, the default), not {choice!r}")
     return _LOCAL_SPECS[choice]
 
 

@@ -13,6 +13,8 @@ signature and output layout) that hands the whole softmax(QK^T * scale) V to SDP
   row, so no T x T block-diagonal mask is materialised on any platform and the cross-row blocks are
   never computed. An explicit bool mask (Megatron's convention: True = masked) is still accepted
   and passed to SDPA inverted (SDPA's convention: True = attend).
+- Context parallelism (cp > 1): each rank all-gathers its CP group's K/V and attends with its
+  own two query chunks (models/sdpa_cp.py), dense or packed; causal attention only.
 - GQA: K/V keep their `ng` heads and SDPA broadcasts them (`enable_gqa=True`) where its kernel
   supports that (CPU flash; CUDA flash in fp16/bf16). Elsewhere (CUDA fp32 or masked, which run the
   memory-efficient kernel) K/V are repeated first, as Megatron does.
@@ -159,6 +161,14 @@ class SDPAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        # Context parallelism (models/sdpa_cp.py): this rank holds 2 of the 2*cp chunks of each
+        # sequence and attends over the K/V its CP group gathers.
+        self.cp_group = getattr(pg_collection, "cp", None)
+        if self.cp_group is None and config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_size = config.context_parallel_size
         tp = self.tp_group.size()
         head_dim = config.kv_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
@@ -196,6 +206,9 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
 
         def call() -> Tensor:
+            if self.cp_size > 1:
+                return self._context_parallel(query, key, value, attention_mask, causal,
+                                              cu_seqlens, dropout_p)
             return sdpa_core_attention(
                 query, key, value, scale=self.softmax_scale, causal=causal, mask=attention_mask,
                 cu_seqlens=cu_seqlens, dropout_p=dropout_p,
@@ -208,6 +221,20 @@ class SDPAttention(MegatronModule):
         return call()
 
 
+    def _context_parallel(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool,
+        cu_seqlens: Tensor | None, dropout_p: float,
+    ) -> Tensor:
+        """This CP rank's queries over its group's K/V (models/sdpa_cp.py); causal only."""
+        from rlhf_megatron.models.sdpa_cp import cp_attention
+
+        if mask is not None or not causal:
+            raise ValueError("context-parallel SDPA attention supports causal attention without "
+                             "an explicit mask only")
+        return cp_attention(query, key, value, scale=self.softmax_scale, group=self.cp_group,
+                            sdpa=_sdpa, cu_seqlens_padded=cu_seqlens, dropout_p=dropout_p)
+
+
 def _cu_seqlens(packed_seq_params: Any) -> Tensor | None:
     """The row offsets of thd packing (the padded ones when given), else None."""
     if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
@@ -218,11 +245,6 @@ def _cu_seqlens(packed_seq_params: Any) -> Tensor | None:
 
 def _check_supported(config: Any, layer_number: int, is_window_layer: Any) -> None:
     """Refuse the attention variants SDPA cannot express (each names the config field)."""
-    if config.context_parallel_size != 1:
-        raise ConfigError(
-            f"context_parallel_size={config.context_parallel_size}: context parallelism needs "
-            "Transformer Engine attention"
-        )
     if config.softmax_type != "vanilla":
         raise ConfigError(
             f"softmax_type={config.softmax_type!r}: the SDPA core attention supports 'vanilla' only"

@@ -49,10 +49,9 @@ def initialize_layout(
     from megatron.core import parallel_state, tensor_parallel
 
     platform = current_platform()
-    dims.validate_for_platform(
-        supports_context_parallel=platform.supports_context_parallel,
-        device_type=platform.device_type,
-    )
+    # cp > 1 runs on every platform: through TE attention where TE is usable, else through the
+    # SDPA core attention's all-gather-KV path (models/sdpa_cp.py); the model builder refuses
+    # it only for Megatron's unfused local attention.
     shims = apply_cpu_compat(platform, skip=skip_cpu_shims)
     initialize_distributed()
     if dist.get_world_size() != dims.world_size:

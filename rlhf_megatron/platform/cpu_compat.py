@@ -170,6 +170,27 @@ def _clip_grad_functions() -> list[tuple[Any, str, Any]]:
     ]
 
 
+def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Megatron's get_pos_emb_on_this_cp_rank without its pinned-memory `.cuda()` index: the
+    RoPE rows of chunks cp_rank and 2*cp-1-cp_rank of the 2*cp equal chunks of the sequence."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, index)
+    return chunks.view(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+
+
+def _cp_rope_functions() -> list[tuple[Any, str, Any]]:
+    # rotary_pos_embedding imported the function by name, so both bindings are replaced.
+    return [
+        ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank",
+         _pos_emb_on_this_cp_rank_cpu),
+        ("megatron.core.models.common.embeddings.rotary_pos_embedding",
+         "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank_cpu),
+    ]
+
+
 @dataclass(frozen=True)
 class CpuShim:
     """One fix: the Megatron modules whose `torch` becomes `CpuTorchView`, plus replaced
@@ -242,6 +263,13 @@ CPU_SHIMS: tuple[CpuShim, ...] = (
             "megatron.core.optimizer.grad_scaler",
         ),
         functions=_clip_grad_functions,
+    ),
+    CpuShim(
+        name="cp_rope_slice",
+        why="with cp > 1, RoPE picks this CP rank's rows through an index tensor built with "
+        "pin_memory=True and moved with .cuda()",
+        modules=(),
+        functions=_cp_rope_functions,
     ),
 )
 

@@ -39,6 +39,8 @@ SEED = 1234
 SEQ_LEN = 8
 VOCAB = 300
 NO_CUDA = "Torch not compiled with CUDA enabled"
+# What a missing shim raises: CUDA calls, or (cp_rope_slice) a pinned-memory allocation.
+NO_CUDA_ERRORS = (NO_CUDA, "pin_memory=True requires a CUDA or other accelerator backend")
 TIMEOUT_S = 240
 
 pytestmark = [
@@ -374,10 +376,25 @@ def _scenario_tied(skip: list[str]) -> dict:
     }
 
 
+def _scenario_context_parallel(skip: list[str]) -> dict:
+    """A dense forward at CP=2: RoPE picks this CP rank's chunks of the positions."""
+    from rlhf_megatron.data.packing import cp_token_indices
+    from rlhf_megatron.parallel import ParallelDims
+
+    _, (model,) = _init_and_build(ParallelDims(2, cp=2), skip)
+    from megatron.core import parallel_state
+
+    index = cp_token_indices([SEQ_LEN], 2, parallel_state.get_context_parallel_rank())
+    tokens = _batch(1)[:, :-1][:, index]
+    logits = model(tokens, index.expand(1, -1), None)
+    return {"finite": bool(torch.isfinite(logits).all())}
+
+
 TWO_RANK_SCENARIOS = {
     "current_device": _scenario_pipeline,
     "schedule_buffers": _scenario_pipeline,
     "tied_embedding_sync": _scenario_tied,
+    "cp_rope_slice": _scenario_context_parallel,
 }
 
 
@@ -407,6 +424,7 @@ EXPECTED_FRAMES_PP2 = {
     ),
     "schedule_buffers": (("pipeline_parallel/schedules.py",),) * 2,
     "tied_embedding_sync": (("models/common/language_module/language_module.py",),) * 2,
+    "cp_rope_slice": (("models/common/embeddings/rope_utils.py",),) * 2,
 }
 
 
@@ -434,7 +452,9 @@ def _assert_isolated(outcome: dict) -> None:
 def _assert_fails_at(outcome: dict, expected_paths: tuple[str, ...], label: str) -> None:
     _assert_isolated(outcome)
     assert not outcome["ok"], f"{label}: succeeded without its shim: {outcome.get('value')}"
-    assert NO_CUDA in outcome["error"], f"{label}: unexpected failure\n{outcome['traceback']}"
+    assert any(message in outcome["error"] for message in NO_CUDA_ERRORS), (
+        f"{label}: unexpected failure\n{outcome['traceback']}"
+    )
     frame = outcome["innermost_megatron_frame"]
     assert frame is not None and frame.startswith(expected_paths), (
         f"{label}: failed in {frame}, expected {expected_paths}\n{outcome['traceback']}"
