@@ -23,13 +23,19 @@ EXIT_BAD_INPUT = 2
 EXIT_MISMATCH = 1
 
 
+def _copied(stats: dict) -> str:
+    """' (N MB copied in the kernel in T s)' for the summary line."""
+    return (f" ({stats['kernel_bytes'] / 1e6:.1f} MB copied in the kernel in "
+            f"{stats['copy_seconds']:.3f} s)")
+
+
 def _hf_to_mcore(args: argparse.Namespace) -> int:
     from checkpoint_tools.hf_to_mcore import convert_hf_to_mcore
 
     stats = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                 force=args.force, progress=not args.quiet)
     print(f"wrote {args.out}: {stats['params']} Megatron tensors ({stats['dtype']}), "
-          f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s; "
+          f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.3f} s{_copied(stats)}; "
           f"peak RSS {peak_rss_mb():.0f} MB")
     return 0
 
@@ -40,7 +46,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     stats = convert_mcore_to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size,
                                 dtype=args.dtype, force=args.force, progress=not args.quiet)
     print(f"wrote {args.out}: {stats['hf_tensors']} tensors in {stats['files']} file(s), "
-          f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s; "
+          f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.3f} s{_copied(stats)}; "
           f"peak RSS {peak_rss_mb():.0f} MB")
     return 0
 

@@ -91,7 +91,7 @@ def convert_hf_to_mcore(
             no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
             args = dataclasses.replace(args, transformer_config=no_init,
                                        padded_vocab_size=target.padded_vocab_size)
-            stats, kernel_bytes = _load_and_save(checkpoint, spec, args, tmp, progress=progress)
+            stats, copier = _load_and_save(checkpoint, spec, args, tmp, progress=progress)
             assets = copy_hf_assets(hf_dir, tmp / ASSETS_DIR)
             ConvertedMetadata(
                 architecture=spec.hf_architecture, hf_config=config.to_dict(), dtype=dtype,
@@ -99,12 +99,14 @@ def convert_hf_to_mcore(
                 asset_files=assets,
             ).write(tmp)
     return {"hf_tensors": len(tensors), "params": stats.params, "bytes": stats.bytes_loaded,
-            "seconds": time.perf_counter() - start, "dtype": dtype, "kernel_bytes": kernel_bytes}
+            "seconds": time.perf_counter() - start, "dtype": dtype,
+            "kernel_bytes": copier.kernel_bytes, "copy_seconds": copier.seconds}
 
 
 def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
-                   progress: bool) -> tuple[LoadStats, int]:
-    """Stream the save; returns the load stats and the bytes moved by in-kernel copies."""
+                   progress: bool) -> tuple[LoadStats, Any]:
+    """Stream the save; returns the load stats and the `FileCopier` (bytes and time of the
+    in-kernel copies)."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
@@ -128,4 +130,4 @@ def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
                                     sharded_strategy=streaming_strategy(source))
         finally:
             copier.close()
-    return LoadStats(params=source.params, bytes_loaded=source.bytes), copier.kernel_bytes
+    return LoadStats(params=source.params, bytes_loaded=source.bytes), copier

@@ -158,8 +158,9 @@ def _hf_extents(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any
 
 def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any]], ctx: Any,
             shapes: dict[str, torch.Size], dtype: torch.dtype, writer: PlannedSafetensorsWriter,
-            on_tensor: Any) -> int:
-    """Write every HF tensor in plan order; returns the bytes moved by in-kernel copies."""
+            on_tensor: Any) -> FileCopier:
+    """Write every HF tensor in plan order; returns the `FileCopier` (bytes and time of the
+    in-kernel copies)."""
     copier = FileCopier()
     try:
         for source, resolved in work:
@@ -174,7 +175,7 @@ def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any]], ctx: Any,
                 on_tensor()
     finally:
         copier.close()
-    return copier.kernel_bytes
+    return copier
 
 
 def convert_mcore_to_hf(
@@ -210,15 +211,15 @@ def convert_mcore_to_hf(
         with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
             reader = DcpReader(ckpt_dir, dcp_metadata)
             try:
-                kernel_bytes = _export(reader, work, ShardContext(shapes), hf_shapes, out_dtype,
-                                       writer, lambda: bar.update(1))
+                copier = _export(reader, work, ShardContext(shapes), hf_shapes, out_dtype,
+                                 writer, lambda: bar.update(1))
             finally:
                 reader.close()
         writer.close()
         _write_assets(ckpt_dir, tmp, metadata, config, out_dtype)
     return {"hf_tensors": len(planned), "files": len(writer.files),
             "bytes": writer.bytes_written, "seconds": time.perf_counter() - start,
-            "kernel_bytes": kernel_bytes}
+            "kernel_bytes": copier.kernel_bytes, "copy_seconds": copier.seconds}
 
 
 def _write_assets(ckpt_dir: Path, out: Path, metadata: ConvertedMetadata, config: Any,

@@ -212,7 +212,8 @@ def streaming_strategy(source: ChunkSource) -> Any:
             crc32 = torch.serialization.get_crc32_options()
             torch.serialization.set_crc32_options(False)
             try:
-                dcp.save(pyt_state_dict, storage_writer=writer, planner=_streaming_planner(source))
+                dcp.save(pyt_state_dict, storage_writer=writer, planner=_streaming_planner(source),
+                         no_dist=True)
                 if source.registry is not None:
                     source.registry.check_done()
             except BaseException:
