@@ -47,11 +47,14 @@ def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
                                         TOKEN_VERSIONS: versions})
 
 
-def groups_to_result(groups: Sequence[RolloutGroup], weight_version: int) -> RolloutResult:
-    """The synchronous engine's RolloutResult for groups generated at one version."""
+def groups_to_result(groups: Sequence[RolloutGroup], weight_version: int,
+                     first_prompt: int = 0) -> RolloutResult:
+    """The synchronous engine's RolloutResult for groups generated at one version (prompt_index
+    counted from `first_prompt`)."""
     batch = groups_to_batch(groups)
     finish = [s.finish_reason or "length" for g in groups for s in g.samples]
     fields = {k: v for k, v in batch.fields.items() if k != TOKEN_VERSIONS}
+    fields["prompt_index"] = fields["prompt_index"] + first_prompt
     return RolloutResult(TokenBatch(batch.input_ids, batch.attention_mask, batch.loss_mask,
                                     fields), finish, weight_version)
 

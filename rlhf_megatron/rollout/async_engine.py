@@ -42,16 +42,9 @@ import torch
 from rlhf_megatron.errors import ConfigError, WorkerFailure
 from rlhf_megatron.platform import current_platform
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
-from rlhf_megatron.rollout.vllm_engine import _SEED_STRIDE
+from rlhf_megatron.rollout.vllm_engine import prompt_seed
 
 _EXTENSION = "rlhf_megatron.rollout.async_worker_ext.RolloutWeightLoader"
-
-
-def prompt_seed(seed: int, key: int) -> int:
-    """The sampling seed of prompt `key` (its position in the run's prompt stream): the same
-    stride as the synchronous engine's per-prompt rule, so streams of prompts stay apart and a
-    prompt's samples do not depend on when (or at which refit) it was submitted."""
-    return seed + key * _SEED_STRIDE
 
 
 @dataclass
@@ -139,6 +132,8 @@ class AsyncRolloutEngine:
         )
         if self.awaiting_weights:
             kwargs["load_format"] = "dummy"
+        if self.config.tensor_parallel_size == 1:
+            kwargs["distributed_executor_backend"] = "uni"  # the model in EngineCore's process
         if self.platform.is_cuda:
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -273,6 +268,7 @@ class AsyncRolloutEngine:
     def counts(self) -> dict[str, int]:
         """Groups in flight and completed-but-not-taken, and the current weight version."""
         with self._cond:
+            self._raise_if_failed()
             return {"in_flight": len(self._in_flight), "buffered": len(self._done),
                     "weight_version": self.weight_version}
 

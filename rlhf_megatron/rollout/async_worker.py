@@ -16,8 +16,17 @@ from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 
 
 class AsyncRolloutWorker:
-    def __init__(self, name: str, hf_dir: str, config: RolloutConfig, capacity: int = 64) -> None:
+    def __init__(self, name: str, hf_dir: str, config: RolloutConfig, threads: int = 1,
+                 capacity: int = 64) -> None:
+        from rlhf_megatron.workers.threads import set_threads
+
         self.name = name
+        self.threads = threads
+        """Intra-op threads of vLLM's engine process: it generates continuously on its own pool
+        (split pools only), so it keeps them (workers/threads.py)."""
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by vLLM's EngineCore process
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # Ray placed us already
+        set_threads(threads)
         self.engine = AsyncRolloutEngine(hf_dir, config, capacity=capacity)
         self._broadcast: dict[tuple[str, int], Any] = {}
 
@@ -33,10 +42,13 @@ class AsyncRolloutWorker:
     def counts(self) -> dict[str, int]:
         return self.engine.counts()
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Any:
-        """The synchronous engine's generate (validation): a RolloutResult, prompt-major."""
-        groups = self.engine.generate_groups(prompts, sampling, sampling.seed)
-        return groups_to_result(groups, self.engine.weight_version)
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
+                 first_prompt: int = 0) -> Any:
+        """The synchronous engine's generate (validation): a RolloutResult, prompt-major, its
+        prompts numbered (seeded, prompt_index) from `first_prompt`."""
+        groups = self.engine.generate_groups(prompts, sampling, sampling.seed,
+                                             first_key=first_prompt)
+        return groups_to_result(groups, self.engine.weight_version, first_prompt)
 
     # refit ----------------------------------------------------------------------
     def begin_weight_update(self) -> None:
