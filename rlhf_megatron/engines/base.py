@@ -456,12 +456,14 @@ class MegatronEngine:
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(global Megatron name, parameter) of this rank's shard, over all chunks."""
         from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
+        from rlhf_megatron.models.moe_layers import expert_offset_of
 
         named = []
         for chunk in self.chunks:
             module = unwrap(chunk)
-            offset = layer_offset_of(module)
-            named += [(global_layer_name(n, offset), p) for n, p in module.named_parameters()]
+            offset, experts = layer_offset_of(module), expert_offset_of(module)
+            named += [(global_layer_name(n, offset, experts), p)
+                      for n, p in module.named_parameters()]
         return named
 
 

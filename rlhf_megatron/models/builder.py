@@ -85,6 +85,16 @@ def _use_lean_local_modules(spec: Any) -> None:
         mlp.linear_fc2 = lean.get(mlp.linear_fc2, mlp.linear_fc2)
 
 
+def _layer_spec_for_stage(args: MegatronModelArgs, backend: str, vp_stage: int | None) -> Any:
+    """One layer spec for every layer, or for an MoE model the per-layer block spec of this stage
+    (dense and MoE layers by `moe_layer_freq`: models/moe_layers.py)."""
+    if not args.transformer_config.num_moe_experts:
+        return build_layer_spec(args, backend)
+    from rlhf_megatron.models.moe_layers import moe_block_spec
+
+    return moe_block_spec(args.transformer_config, backend, vp_stage=vp_stage)
+
+
 def build_gpt_model(
     args: MegatronModelArgs,
     *,
@@ -108,7 +118,7 @@ def build_gpt_model(
     backend = attention_backend(args)
     model = GPTModel(
         config=args.transformer_config,
-        transformer_layer_spec=build_layer_spec(args, backend),
+        transformer_layer_spec=_layer_spec_for_stage(args, backend, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_sequence_length,
         pre_process=pre_process,

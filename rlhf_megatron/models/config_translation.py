@@ -133,6 +133,22 @@ def _check_sliding_window(hf_config: Any, max_sequence_length: int) -> None:
         )
 
 
+def _moe_kwargs(hf_config: Any, dims: ParallelDims, *, is_cuda: bool) -> dict[str, Any]:
+    """TransformerConfig MoE fields for an MoE architecture (models/moe_config.py), else {}."""
+    from rlhf_megatron.models.moe_config import (
+        is_moe_config, moe_shape, moe_transformer_kwargs, validate_moe_layout,
+    )
+
+    if not is_moe_config(hf_config):
+        if dims.ep > 1:
+            raise ConfigError(f"ep={dims.ep} needs an MoE architecture; "
+                              f"{list(hf_config.architectures)} has no experts")
+        return {}
+    shape = moe_shape(hf_config)
+    validate_moe_layout(shape, tp=dims.tp, ep=dims.ep)
+    return {"ffn_hidden_size": shape.dense_ffn, **moe_transformer_kwargs(shape, is_cuda=is_cuda)}
+
+
 def hf_to_megatron_args(
     hf_config: Any,
     spec: ArchitectureSpec,
@@ -159,6 +175,8 @@ def hf_to_megatron_args(
         raise ConfigError(
             f"intermediate_size={hf_config.intermediate_size} is not divisible by tp={dims.tp}"
         )
+    moe = _moe_kwargs(hf_config, dims, is_cuda=platform.is_cuda)
+    ffn_hidden_size = moe.pop("ffn_hidden_size", hf_config.intermediate_size)
     max_sequence_length = max_sequence_length or hf_config.max_position_embeddings
     _check_sliding_window(hf_config, max_sequence_length)
     rope = _rope_parameters(hf_config)
@@ -168,7 +186,7 @@ def hf_to_megatron_args(
     config = TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        ffn_hidden_size=ffn_hidden_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
         kv_channels=head_dim_of(hf_config),
@@ -208,6 +226,7 @@ def hf_to_megatron_args(
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",
         **recompute,
+        **moe,
     )
     return MegatronModelArgs(
         transformer_config=config,

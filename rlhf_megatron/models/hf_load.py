@@ -17,6 +17,7 @@ import torch
 from rlhf_megatron.errors import CheckpointError
 from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
 from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
+from rlhf_megatron.models.moe_layers import expert_offset_of
 from rlhf_megatron.models.param_mapping import MappingTable, ModelShapes, ShardContext
 
 
@@ -49,9 +50,9 @@ def load_hf_weights(
     stats = LoadStats()
     ctx = ShardContext(shapes, tp, tp_rank)
     for chunk in chunks:
-        offset = layer_offset_of(chunk)
+        offset, experts = layer_offset_of(chunk), expert_offset_of(chunk)
         for local_name, param in chunk.named_parameters():
-            name = global_layer_name(local_name, offset)
+            name = global_layer_name(local_name, offset, experts)
             if skip is not None and skip(name):
                 continue
             resolved = table.resolve(name)

@@ -71,3 +71,53 @@ def llama_like_table_for(spec: Any, hf_config: Any) -> MappingTable:
         qk_norm=spec.qk_layernorm,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
+
+
+# Mixture-of-experts tables (Qwen3-MoE, Qwen2-MoE, Mixtral). Megatron names: the router
+# `mlp.router.weight`; experts in SequentialMLP (local spec and TE spec without grouped GEMM)
+# `mlp.experts.local_experts.<e>.linear_fc{1,2}.weight`, or in TEGroupedMLP
+# `mlp.experts.linear_fc{1,2}.weight<e>`; both with the *global* expert index e (the loaders add
+# ep_rank * local experts to the local index: models/moe_layers.py `expert_offset_of`). Each
+# expert's fc1 is [gate; up] split over (expert-)TP like a dense fc1, fc2 is row-parallel.
+_EXPERT_NAMES = {
+    # architecture -> (HF MoE block, router, gate, up, down)
+    "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "Qwen2MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+}
+
+
+def expert_mappings(architecture: str) -> list[ParamMapping]:
+    """Router and per-expert mappings of an MoE architecture (sequential and grouped layouts)."""
+    block, router, gate, up, down = _EXPERT_NAMES[architecture]
+    hf_expert = f"{_H}{block}.experts.*."
+    mappings: list[ParamMapping] = [
+        DirectMapping(f"{_M}mlp.router.weight", f"{_H}{block}.{router}.weight"),
+    ]
+    for seq, fc1, fc2 in (
+        (True, f"{_M}mlp.experts.local_experts.*.linear_fc1.weight",
+         f"{_M}mlp.experts.local_experts.*.linear_fc2.weight"),
+        (False, f"{_M}mlp.experts.linear_fc1.weight*", f"{_M}mlp.experts.linear_fc2.weight*"),
+    ):
+        mappings += [
+            GatedMLPMapping(fc1, gate=f"{hf_expert}{gate}.weight", up=f"{hf_expert}{up}.weight"),
+            RowParallelMapping(fc2, f"{hf_expert}{down}.weight"),
+        ]
+    if architecture == "Qwen2MoeForCausalLM":
+        shared = f"{_H}mlp.shared_expert."
+        mappings += [
+            GatedMLPMapping(f"{_M}mlp.shared_experts.linear_fc1.weight",
+                            gate=f"{shared}gate_proj.weight", up=f"{shared}up_proj.weight"),
+            RowParallelMapping(f"{_M}mlp.shared_experts.linear_fc2.weight",
+                               f"{shared}down_proj.weight"),
+            DirectMapping(f"{_M}mlp.shared_experts.gate_weight",
+                          f"{_H}mlp.shared_expert_gate.weight"),
+        ]
+    return mappings
+
+
+def moe_table_for(spec: Any, hf_config: Any) -> MappingTable:
+    """The Llama-like table of `spec` plus its router and expert mappings (dense layers of a
+    Qwen-MoE model, `mlp_only_layers`, use the dense MLP entries)."""
+    dense = llama_like_table_for(spec, hf_config)
+    return MappingTable([*dense.mappings, *expert_mappings(spec.hf_architecture)])

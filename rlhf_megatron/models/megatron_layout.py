@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 _LAYER_PREFIX = re.compile(r"^((?:module\.)*decoder\.layers\.)(\d+)\.")
+_EXPERT_INDEX = re.compile(r"(experts\.local_experts\.|experts\.linear_fc[12]\.weight)(\d+)(\.|$)")
 
 
 def tp_chunk(full: torch.Tensor, *, tp: int, rank: int, dim: int) -> torch.Tensor:
@@ -49,13 +50,21 @@ def resize_vocab_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, pad])
 
 
-def global_layer_name(local_name: str, layer_offset: int) -> str:
-    """'decoder.layers.<i>.x' -> 'decoder.layers.<i + offset>.x'; other names unchanged."""
+def global_layer_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """'decoder.layers.<i>.x' -> 'decoder.layers.<i + offset>.x'; other names unchanged.
+
+    expert_offset: this EP rank's first global expert; local expert indices of an MoE layer
+    ('...experts.local_experts.<e>.' or TE grouped '...experts.linear_fc1.weight<e>') become global.
+    """
     match = _LAYER_PREFIX.match(local_name)
     if not match:
         return local_name
     index = int(match.group(2)) + layer_offset
-    return f"{match.group(1)}{index}.{local_name[match.end():]}"
+    rest = local_name[match.end():]
+    if expert_offset:
+        rest = _EXPERT_INDEX.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + expert_offset}"
+                                 f"{m.group(3)}", rest)
+    return f"{match.group(1)}{index}.{rest}"
 
 
 def layer_offset_of(model_chunk: Any) -> int:

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 TINY_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mixture-of-experts families (4 experts, top-2): their HF modules hold fused expert tensors in
+# memory while checkpoints store them per expert, so they are kept apart from the dense list.
+TINY_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 
 _CORPUS_WORDS = (
     "the quick brown fox jumps over the lazy dog while a model learns to add numbers "
@@ -58,6 +61,9 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+        "MixtralForCausalLM": transformers.MixtralConfig,
     }
     if architecture not in config_classes:
         raise ValueError(f"no tiny config for {architecture!r}; known: {sorted(config_classes)}")
@@ -68,8 +74,16 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
         tie_word_embeddings=tie_word_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         initializer_range=0.05,
     )
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         fields["sliding_window"] = None
+    # MoE: 4 experts, top-2 (so EP2 puts two experts on each rank), small expert FFNs.
+    if architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if architecture == "Qwen2MoeForCausalLM":
+        fields.update(shared_expert_intermediate_size=96, use_sliding_window=False)
+    if architecture == "MixtralForCausalLM":
+        fields.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
     fields.update(overrides)
     return config_classes[architecture](**fields)
 

@@ -7,7 +7,11 @@ from rlhf_megatron.errors import ConfigError, UnsupportedArchitectureError
 from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args, pad_vocab_size
 from rlhf_megatron.parallel import ParallelDims
 from rlhf_megatron.platform import Platform
-from rlhf_megatron.testing.tiny_models import TINY_ARCHITECTURES, tiny_hf_config
+from rlhf_megatron.testing.tiny_models import (
+    TINY_ARCHITECTURES,
+    TINY_MOE_ARCHITECTURES,
+    tiny_hf_config,
+)
 
 CPU = Platform("cpu", "gloo")
 
@@ -18,7 +22,7 @@ def _translate(cfg, dims=None, **kwargs):
 
 
 def test_supported_architectures_are_registered():
-    assert ARCHITECTURES.names() == sorted(TINY_ARCHITECTURES)
+    assert ARCHITECTURES.names() == sorted(TINY_ARCHITECTURES + TINY_MOE_ARCHITECTURES)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,145 @@
+"""HF mixture-of-experts config fields -> Megatron-Core 0.16.1 MoE TransformerConfig fields.
+
+One `MoeShape` per HF config says which layers are sparse and how they route; `moe_transformer_kwargs`
+turns it into TransformerConfig keyword arguments. Field by field (HF -> Megatron):
+
+- num_experts (Qwen) / num_local_experts (Mixtral) -> num_moe_experts
+- num_experts_per_tok -> moe_router_topk
+- moe_intermediate_size (Qwen) / intermediate_size (Mixtral) -> moe_ffn_hidden_size
+- norm_topk_prob: HF takes softmax over all experts, then the top k, then (if True) renormalises
+  them to sum 1. Megatron with moe_router_pre_softmax=False takes the top k logits and a softmax over
+  those k, which is the same renormalised distribution; with pre_softmax=True it takes softmax over all
+  then the top k without renormalising (= norm_topk_prob False). Mixtral always renormalises.
+- decoder_sparse_step / mlp_only_layers -> moe_layer_freq as an explicit 0/1 list (layer i is sparse
+  iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0, as HF's Qwen3MoeDecoderLayer);
+  dense layers use intermediate_size (ffn_hidden_size).
+- router_aux_loss_coef -> moe_aux_loss_coeff with load-balancing type "aux_loss". Megatron's loss is
+  per MoE layer E / k * sum_e(f_e * P_e) (switch-transformer form, summed over layers); HF's is
+  E * sum_e(f_e * P_e) over all layers' tokens at once. The coefficient is the config's; the loss
+  scale therefore differs from HF's by k / (number of MoE layers) (documented in docs/MOE.md).
+
+Refused with a one-line ConfigError naming the field: router_jitter_noise > 0 (Mixtral's jitter
+multiplies the expert inputs too; Megatron's moe_input_jitter_eps only the router input),
+Qwen2-MoE's shared experts are handled by `shared_expert_kwargs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_megatron.errors import ConfigError, LayoutError
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The MoE shape of one HF config.
+
+    num_experts: routed experts per sparse layer. topk: experts per token.
+    expert_ffn: hidden size of one expert's FFN. dense_ffn: FFN size of the dense layers.
+    sparse_layers: 0/1 per decoder layer (1 = MoE layer). norm_topk_prob: renormalise top-k probs.
+    aux_loss_coef: load-balancing loss coefficient. shared_expert_ffn: Qwen2-MoE's shared expert
+    FFN size (0 when none).
+    """
+
+    num_experts: int
+    topk: int
+    expert_ffn: int
+    dense_ffn: int
+    sparse_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    aux_loss_coef: float
+    shared_expert_ffn: int = 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+
+def is_moe_config(hf_config: Any) -> bool:
+    """Whether `hf_config` names one of the MoE architectures."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    return len(names) == 1 and names[0] in MOE_ARCHITECTURES
+
+
+def _num_experts(hf_config: Any) -> int:
+    for field in ("num_experts", "num_local_experts"):
+        value = getattr(hf_config, field, None)
+        if value:
+            return int(value)
+    raise ConfigError("MoE config needs num_experts (Qwen) or num_local_experts (Mixtral) > 0")
+
+
+def moe_shape(hf_config: Any) -> MoeShape:
+    """The `MoeShape` of a Qwen3-MoE, Qwen2-MoE or Mixtral config (ConfigError for what Megatron
+    cannot reproduce exactly)."""
+    arch = hf_config.architectures[0]
+    num_layers = hf_config.num_hidden_layers
+    experts = _num_experts(hf_config)
+    topk = int(hf_config.num_experts_per_tok)
+    if not 0 < topk <= experts:
+        raise ConfigError(f"num_experts_per_tok={topk} must be in [1, {experts}]")
+    if arch == "MixtralForCausalLM":
+        jitter = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
+        if jitter:
+            raise ConfigError(f"router_jitter_noise={jitter} is unsupported (use 0.0): Megatron "
+                              "jitters only the router input, Mixtral the expert input too")
+        return MoeShape(experts, topk, int(hf_config.intermediate_size),
+                        int(hf_config.intermediate_size), (1,) * num_layers, True,
+                        float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    bad = sorted(i for i in mlp_only if not 0 <= i < num_layers)
+    if bad:
+        raise ConfigError(f"mlp_only_layers={sorted(mlp_only)} names layers outside 0..{num_layers - 1}")
+    sparse = tuple(int(i not in mlp_only and (i + 1) % step == 0) for i in range(num_layers))
+    if not any(sparse):
+        raise ConfigError(f"decoder_sparse_step={step} / mlp_only_layers leave no MoE layer")
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    return MoeShape(experts, topk, int(hf_config.moe_intermediate_size),
+                    int(hf_config.intermediate_size), sparse,
+                    bool(getattr(hf_config, "norm_topk_prob", False)),
+                    float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0), shared)
+
+
+def validate_moe_layout(shape: MoeShape, *, tp: int, ep: int) -> None:
+    """Experts split evenly over EP; expert FFNs over TP (expert-TP equals TP here)."""
+    if shape.num_experts % ep:
+        raise LayoutError(f"num_experts={shape.num_experts} is not divisible by ep={ep}")
+    if shape.expert_ffn % tp:
+        raise LayoutError(f"moe_intermediate_size={shape.expert_ffn} is not divisible by tp={tp}")
+    if shape.shared_expert_ffn % tp:
+        raise LayoutError(
+            f"shared_expert_intermediate_size={shape.shared_expert_ffn} is not divisible by tp={tp}"
+        )
+
+
+def moe_transformer_kwargs(shape: MoeShape, *, is_cuda: bool) -> dict[str, Any]:
+    """TransformerConfig keyword arguments for `shape`.
+
+    The token dispatcher is "alltoall" on both platforms (set for every model by
+    `hf_to_megatron_args`): torch's gloo backend implements all_to_all_single with uneven splits,
+    which is all the dispatcher needs (checked at EP2 over gloo by tests/integration/test_moe.py).
+    """
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.topk,
+        moe_ffn_hidden_size=shape.expert_ffn,
+        moe_router_pre_softmax=not shape.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_layer_freq=list(shape.sparse_layers),
+        moe_router_load_balancing_type="aux_loss" if shape.aux_loss_coef else "none",
+        moe_aux_loss_coeff=shape.aux_loss_coef,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+    if shape.shared_expert_ffn:
+        kwargs.update(moe_shared_expert_intermediate_size=shape.shared_expert_ffn,
+                      moe_shared_expert_gate=True, moe_shared_expert_overlap=False)
+    return kwargs

@@ -1,0 +1,53 @@
+"""The supported mixture-of-experts families (registered next to the dense ones in decoders.py).
+
+Each is its dense baseline (Qwen3: q/k norm, Qwen2: q/k/v bias, Mixtral: Mistral) with sparse MLP
+layers; what routes how is translated in models/moe_config.py, names in mapping_tables.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_megatron.models.decoders import _check_llama, _check_llama_like, _check_qwen3
+from rlhf_megatron.models.mapping_tables import moe_table_for
+from rlhf_megatron.models.moe_config import moe_shape
+from rlhf_megatron.models.registry import ARCHITECTURES, ArchitectureSpec, require
+
+
+def _check_moe(cfg: Any) -> None:
+    # Refuses what Megatron's router cannot reproduce, naming the field. (`output_router_logits`
+    # only switches HF's own loss term on; the aux loss here follows router_aux_loss_coef.)
+    moe_shape(cfg)
+
+
+def _check_qwen3_moe(cfg: Any) -> None:
+    _check_qwen3(cfg)
+    _check_moe(cfg)
+
+
+def _check_qwen2_moe(cfg: Any) -> None:
+    _check_llama_like(cfg)
+    _check_moe(cfg)
+    require(
+        int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) > 0,
+        "shared_expert_intermediate_size must be > 0 for Qwen2MoeForCausalLM",
+    )
+
+
+def _check_mixtral(cfg: Any) -> None:
+    _check_llama(cfg)
+    _check_moe(cfg)
+
+
+QWEN3_MOE = ARCHITECTURES.register(
+    ArchitectureSpec("Qwen3MoeForCausalLM", qkv_bias=lambda cfg: False, qk_layernorm=True,
+                     check_config=_check_qwen3_moe, mapping_table=moe_table_for)
+)
+MIXTRAL = ARCHITECTURES.register(
+    ArchitectureSpec("MixtralForCausalLM", qkv_bias=lambda cfg: False,
+                     check_config=_check_mixtral, mapping_table=moe_table_for)
+)
+QWEN2_MOE = ARCHITECTURES.register(
+    ArchitectureSpec("Qwen2MoeForCausalLM", qkv_bias=lambda cfg: True,
+                     check_config=_check_qwen2_moe, mapping_table=moe_table_for)
+)

@@ -1,0 +1,113 @@
+"""MoE config translation, refusals, expert mappings and expert-index globalisation (no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_megatron.errors import ConfigError, LayoutError
+from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
+from rlhf_megatron.models.megatron_layout import global_layer_name
+from rlhf_megatron.models.moe_config import moe_shape
+from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
+from rlhf_megatron.parallel import ParallelDims
+from rlhf_megatron.platform import Platform
+from rlhf_megatron.testing.tiny_models import TINY_MOE_ARCHITECTURES, tiny_hf_config
+
+CPU = Platform("cpu", "gloo")
+
+
+def _args(cfg, dims=None):
+    return hf_to_megatron_args(cfg, ARCHITECTURES.for_hf_config(cfg), dims or ParallelDims(1),
+                               platform=CPU)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_translation(norm_topk_prob):
+    cfg = tiny_hf_config("Qwen3MoeForCausalLM", vocab_size=300, num_layers=6,
+                         decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=norm_topk_prob,
+                         router_aux_loss_coef=0.002)
+    config = _args(cfg).transformer_config
+    assert config.num_moe_experts == 4 and config.moe_router_topk == 2
+    assert config.moe_ffn_hidden_size == 64 and config.ffn_hidden_size == 256
+    # Layer i is sparse iff (i + 1) % step == 0 and i not in mlp_only_layers (HF's rule).
+    assert config.moe_layer_freq == [0, 1, 0, 0, 0, 1]
+    assert config.moe_router_pre_softmax is (not norm_topk_prob)
+    assert config.moe_aux_loss_coeff == 0.002 and config.moe_router_load_balancing_type == "aux_loss"
+    assert config.moe_router_dtype == "fp32" and config.moe_token_dispatcher_type == "alltoall"
+
+
+def test_mixtral_translation_and_refusals():
+    cfg = tiny_hf_config("MixtralForCausalLM", vocab_size=300)
+    config = _args(cfg).transformer_config
+    assert config.moe_layer_freq == [1, 1, 1, 1] and config.moe_router_pre_softmax is False
+    assert config.moe_ffn_hidden_size == 64
+    jitter = tiny_hf_config("MixtralForCausalLM", vocab_size=300, router_jitter_noise=0.1)
+    with pytest.raises(ConfigError, match="router_jitter_noise"):
+        ARCHITECTURES.for_hf_config(jitter)
+    with pytest.raises(LayoutError, match="num_experts=4 is not divisible by ep=3"):
+        _args(cfg, ParallelDims(3, ep=3))
+    dense = tiny_hf_config("LlamaForCausalLM", vocab_size=300)
+    with pytest.raises(ConfigError, match="ep=2 needs an MoE architecture"):
+        _args(dense, ParallelDims(2, ep=2))
+    no_sparse = tiny_hf_config("Qwen3MoeForCausalLM", vocab_size=300, mlp_only_layers=[0, 1, 2, 3])
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        moe_shape(no_sparse)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_megatron_router_equals_hf_router(norm_topk_prob):
+    """HF: softmax over all experts, top-k, renormalise if norm_topk_prob. Megatron with
+    pre_softmax = not norm_topk_prob gives the same probabilities on the same experts."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    probs = torch.softmax(logits, dim=-1)
+    top, index = probs.topk(2, dim=-1)
+    if norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    expected = torch.zeros_like(probs).scatter(1, index, top)
+    got, routing_map = topk_routing_with_score_function(
+        logits, 2, use_pre_softmax=not norm_topk_prob, score_function="softmax")
+    assert torch.equal(routing_map, expected > 0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHITECTURES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_expert_mappings_round_trip_sequential_and_grouped(arch, tp):
+    cfg = tiny_hf_config(arch, vocab_size=300, num_layers=1)
+    table = ARCHITECTURES.for_hf_config(cfg).mapping_table_for(cfg)
+    block, gate, up, down = (("block_sparse_moe", "w1", "w3", "w2") if arch.startswith("Mixtral")
+                             else ("mlp", "gate_proj", "up_proj", "down_proj"))
+    g = torch.Generator().manual_seed(1)
+    hf = {f"model.layers.0.{block}.experts.{e}.{n}.weight": torch.randn(s, generator=g)
+          for e in range(4) for n, s in ((gate, (64, 128)), (up, (64, 128)), (down, (128, 64)))}
+    hf[f"model.layers.0.{block}.gate.weight"] = torch.randn(4, 128, generator=g)
+    shapes = ModelShapes(4, 2, 32, 300, 384)
+    for names in (
+        [f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{i}.weight"
+         for e in range(4) for i in (1, 2)],
+        [f"decoder.layers.0.mlp.experts.linear_fc{i}.weight{e}" for e in range(4) for i in (1, 2)],
+    ):
+        back = {}
+        for name in [*names, "decoder.layers.0.mlp.router.weight"]:
+            resolved = table.resolve(name)
+            shards = [resolved.hf_to_megatron(hf.__getitem__, ShardContext(shapes, tp, r))
+                      for r in range(tp)]
+            back.update(resolved.megatron_to_hf(shards, ShardContext(shapes, tp, 0)))
+        assert back.keys() == hf.keys()
+        assert all(torch.equal(back[k], hf[k]) for k in hf)
+    fc1 = table.resolve("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")
+    shard = fc1.hf_to_megatron(hf.__getitem__, ShardContext(shapes, 1, 0))
+    expert3 = f"model.layers.0.{block}.experts.3."
+    assert torch.equal(shard, torch.cat([hf[f"{expert3}{gate}.weight"], hf[f"{expert3}{up}.weight"]]))
+
+
+def test_local_expert_names_become_global():
+    assert (global_layer_name("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", 2, 6)
+            == "decoder.layers.3.mlp.experts.local_experts.6.linear_fc1.weight")
+    assert (global_layer_name("decoder.layers.0.mlp.experts.linear_fc2.weight1", 0, 2)
+            == "decoder.layers.0.mlp.experts.linear_fc2.weight3")
+    assert (global_layer_name("decoder.layers.0.mlp.router.weight", 0, 2)
+            == "decoder.layers.0.mlp.router.weight")
