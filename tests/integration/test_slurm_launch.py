@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,10 @@ echo "$$ $node $all_args" >> "$SIM_STATE/srun.log"
 exec env SIM_NODE="$node" "$@"
 """
 
+# `show hostnames` prints the simulated nodes; `requeue JOBID` is recorded in
+# $SIM_STATE/requeue.log (the test then starts the job again, as SLURM would).
 FAKE_SCONTROL = r"""#!/usr/bin/env bash
+if [[ "$1" == requeue ]]; then echo "$2" >> "$SIM_STATE/requeue.log"; exit 0; fi
 [[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: unsupported: $*" >&2; exit 2; }
 for node in $SIM_NODES; do echo "$node"; done
 """
@@ -163,14 +167,18 @@ def make_fake_slurm(bin_dir: Path) -> None:
 
 
 def _run_launcher(script: Path, args: list[str], cwd: Path, env: dict[str, str],
-                  timeout_s: float) -> subprocess.CompletedProcess:
-    """Run a launch script with bash; fail if a process of the run (found by TAG_VAR) outlives it."""
-    out_path, err_path = cwd / "launch.out", cwd / "launch.err"
+                  timeout_s: float, on_start: Callable[[subprocess.Popen], None] | None = None,
+                  name: str = "launch") -> subprocess.CompletedProcess:
+    """Run a launch script with bash; fail if a process of the run (found by TAG_VAR) outlives it.
+    `on_start(process)` runs once it has started (e.g. to signal it later from a thread)."""
+    out_path, err_path = cwd / f"{name}.out", cwd / f"{name}.err"
     try:
         with open(out_path, "w") as out, open(err_path, "w") as err:
             proc = subprocess.Popen(["bash", str(script), *args], cwd=cwd, env=env, stdout=out,
                                     stderr=err, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
+            if on_start is not None:
+                on_start(proc)
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -187,7 +195,9 @@ def _run_launcher(script: Path, args: list[str], cwd: Path, env: dict[str, str],
 
 def run_simulated_slurm(tmp_path: Path, train_cmd: list[str] | str,
                         extra_env: dict[str, str] | None = None,
-                        timeout_s: float = 90.0) -> subprocess.CompletedProcess:
+                        timeout_s: float = 90.0,
+                        on_start: Callable[[subprocess.Popen], None] | None = None,
+                        name: str = "launch") -> subprocess.CompletedProcess:
     """Run the sbatch script with bash on two simulated nodes; TRAIN_CMD=train_cmd.
 
     The result's stdout/stderr are the batch output (the script's log lines go to stderr, the
@@ -218,7 +228,7 @@ def run_simulated_slurm(tmp_path: Path, train_cmd: list[str] | str,
     for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(var, None)
     try:
-        return _run_launcher(SBATCH, [], tmp_path, env, timeout_s)
+        return _run_launcher(SBATCH, [], tmp_path, env, timeout_s, on_start, name)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
