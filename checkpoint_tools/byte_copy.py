@@ -106,7 +106,8 @@ class _RowTracer:
 
 def trace_rows(layouts: dict[str, RowLayout],
                mapping: Callable[[dict[str, _RowTracer]], dict[str, torch.Tensor]],
-               out_shapes: dict[str, Sequence[int]], out_dtype: torch.dtype) -> dict[str, list[Extent]]:
+               out_shapes: dict[str, Sequence[int]],
+               out_dtype: torch.dtype) -> dict[str, list[Extent]]:
     """Run `mapping` on row tracers of `layouts` (role -> source) and turn each output (name ->
     tensor of row ids) into extents. Raises NotRows when an output is not made of whole source
     rows of the same dtype and row size as its own."""

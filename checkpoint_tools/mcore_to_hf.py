@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from checkpoint_tools.byte_copy import Extent, FileCopier, NotRows, trace_rows
 from checkpoint_tools.common import (
     ASSETS_DIR,
     DTYPES,
@@ -30,7 +31,6 @@ from checkpoint_tools.common import (
     is_model_key,
     parse_size,
 )
-from checkpoint_tools.byte_copy import Extent, FileCopier, NotRows, trace_rows
 from checkpoint_tools.dcp_reader import DcpReader
 from checkpoint_tools.safetensors_writer import (
     PlannedSafetensorsWriter,
@@ -141,17 +141,21 @@ def _hf_tensors(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any
 
 
 def _hf_extents(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any,
-                shapes: dict[str, torch.Size], dtype: torch.dtype) -> dict[str, list[Extent]] | None:
+                shapes: dict[str, torch.Size],
+                dtype: torch.dtype) -> dict[str, list[Extent]] | None:
     """Where the bytes of each HF tensor of one Megatron parameter are in the `.distcp` files,
     when they are whole stored rows of `dtype`; None otherwise (read them instead)."""
     layout = reader.row_layout(source.key, source.layer, tuple(source.shape), source.dtype)
     if layout is None:
         return None
     names = [resolved.hf_names[role] for role in resolved.mapping.hf]
+
+    def mapping(tracers: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return dict(resolved.megatron_to_hf([tracers["megatron"][:]], ctx))
+
     try:
-        return trace_rows({"megatron": layout},
-                          lambda tracers: dict(resolved.megatron_to_hf([tracers["megatron"][:]], ctx)),
-                          {name: shapes[name] for name in names}, dtype)
+        return trace_rows({"megatron": layout}, mapping, {name: shapes[name] for name in names},
+                          dtype)
     except NotRows:
         return None
 

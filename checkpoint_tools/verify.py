@@ -99,7 +99,8 @@ def compare_logits(reference: torch.Tensor, logits: torch.Tensor, *,
                    chunk: int = 64) -> Comparison:
     """Compare (batch, seq, vocab) logits, in float64, `chunk` positions at a time (memory:
     a few (chunk, vocab) buffers). The tolerance is left 0: the caller sets it."""
-    ref_all, out_all = reference.reshape(-1, reference.shape[-1]), logits.reshape(-1, logits.shape[-1])
+    ref_all = reference.reshape(-1, reference.shape[-1])
+    out_all = logits.reshape(-1, logits.shape[-1])
     stats = dict(logit=0.0, logprob=0.0, agree=0, kl_sum=0.0, kl_max=0.0, sq=0.0)
     flips: list[torch.Tensor] = []
     for lo in range(0, ref_all.shape[0], chunk):

@@ -1,4 +1,4 @@
-"""YAML + `key=value` overrides -> a typed TrainConfig, with one-line errors naming the key.
+r"""YAML + `key=value` overrides -> a typed TrainConfig, with one-line errors naming the key.
 
     cfg = load_config("configs/quickstart_cpu.yaml", ["trainer.total_steps=5", "actor.layout.tp=1"])
 

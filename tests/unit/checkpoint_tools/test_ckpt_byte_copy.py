@@ -42,7 +42,8 @@ def _hf_file(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Lazy
 
 
 def _layout(lazy: LazyTensor) -> RowLayout:
-    return RowLayout(lazy.shape, lazy.dtype, (RowRun(0, lazy.shape[0], lazy.file, lazy.data_start),))
+    run = RowRun(0, lazy.shape[0], lazy.file, lazy.data_start)
+    return RowLayout(lazy.shape, lazy.dtype, (run,))
 
 
 def _copied(extents, nbytes: int, tmp_path: Path) -> bytes:
@@ -56,7 +57,8 @@ def _copied(extents, nbytes: int, tmp_path: Path) -> bytes:
 
 
 @pytest.mark.parametrize("mapping, roles, shapes", [
-    (QKVMapping("qkv", q="q", k="k", v="v"), ("q", "k", "v"), [(12, HIDDEN), (6, HIDDEN), (6, HIDDEN)]),
+    (QKVMapping("qkv", q="q", k="k", v="v"), ("q", "k", "v"),
+     [(12, HIDDEN), (6, HIDDEN), (6, HIDDEN)]),
     (QKVMapping("qkv_bias", q="q", k="k", v="v"), ("q", "k", "v"), [(12,), (6,), (6,)]),
     (GatedMLPMapping("fc1", gate="g", up="u"), ("gate", "up"), [(7, HIDDEN), (7, HIDDEN)]),
     (VocabParallelMapping("emb", "e"), ("weight",), [(10, HIDDEN)]),  # 6 zero rows of padding
@@ -90,7 +92,8 @@ def test_what_is_not_whole_rows_of_the_same_dtype_is_refused(tmp_path):
     layouts = {"weight": _layout(sources["w"])}
     row_parallel = RowParallelMapping("proj", "w")
     with pytest.raises(NotRows):  # TP=2 rank 1: half of every row
-        trace_rows(layouts, lambda t: {"m": row_parallel.hf_to_megatron(t, ShardContext(SHAPES, 2, 1))},
+        trace_rows(layouts,
+                   lambda t: {"m": row_parallel.hf_to_megatron(t, ShardContext(SHAPES, 2, 1))},
                    {"m": (6, 2)}, torch.float32)
     with pytest.raises(NotRows):  # a cast
         trace_rows(layouts, lambda t: {"m": row_parallel.hf_to_megatron(t, ShardContext(SHAPES))},
@@ -105,9 +108,9 @@ def test_kernel_copy_stream_writes_records_torch_reads_and_checks_every_placehol
     g = torch.Generator().manual_seed(0)
     source = _hf_file(tmp_path, {"w": torch.randn(64, 32, generator=g)})["w"]
     registry = CopyRegistry(FileCopier())
-    placeholder = registry.placeholder((64, 32), torch.float32,
-                                       trace_rows({"w": _layout(source)}, lambda t: {"m": t["w"][:]},
-                                                  {"m": (64, 32)}, torch.float32)["m"])
+    extents = trace_rows({"w": _layout(source)}, lambda t: {"m": t["w"][:]}, {"m": (64, 32)},
+                         torch.float32)["m"]
+    placeholder = registry.placeholder((64, 32), torch.float32, extents)
     with kernel_copy_filesystem(registry).create_stream(tmp_path / "x.distcp", "wb") as stream:
         torch.save(placeholder, stream)
     registry.check_done()
