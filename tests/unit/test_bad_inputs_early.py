@@ -88,3 +88,22 @@ def test_long_prompt_hint_names_a_real_key():
     assert "data.max_prompt_length" in str(info.value)
     cfg = load_config(QUICKSTART, ["data.max_prompt_length=3"])  # the key the hint names exists
     assert cfg.data.max_prompt_length == 3
+
+
+def test_resume_checks_before_ray(tmp_path):
+    """Nothing left to train, and another prompt count, are found from the checkpoint alone."""
+    from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+    from rlhf_megatron.controller.run import _check_loader_state, _resume_state
+    from rlhf_megatron.data.prompts import PromptLoader
+    from rlhf_megatron.errors import CheckpointError
+
+    store = CheckpointStore(tmp_path, keep_last=0)
+    loader = PromptLoader(list(range(10)), batch_size=2, seed=0)
+    path = store.commit(5, store.begin(5), {"step": 5, "loader": loader.state_dict()})
+    cfg = load_config(QUICKSTART, ["trainer.total_steps=5"])
+    with pytest.raises(ConfigError, match=r"step_00000005 is at step 5, trainer.total_steps=5"):
+        _resume_state(cfg, store, path)
+    state = _resume_state(load_config(QUICKSTART, ["trainer.total_steps=6"]), store, path)
+    _check_loader_state(PromptLoader(list(range(10)), batch_size=2, seed=0), state, path)
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*step_00000005.*10 prompts"):
+        _check_loader_state(PromptLoader(list(range(12)), batch_size=2, seed=0), state, path)
