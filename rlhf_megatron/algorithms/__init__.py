@@ -4,12 +4,13 @@ Families, each with one signature and a registry (``REGISTRY.get(name)``; an unk
 ``UnknownNameError`` listing the known ones):
   * advantage estimators  ``ADVANTAGE_ESTIMATORS``: ``fn(AdvantageInputs, AdvantageConfig)
     -> (advantages, returns)``: gae, grpo, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax.
+    reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk.
   * policy losses ``POLICY_LOSSES``: ``fn(PolicyLossInputs, PolicyLossConfig, LossAggregation)
     -> (loss, metrics)``: vanilla (PPO clip-higher + dual clip), gspo; optional TIS.
-  * KL estimators ``KL_ESTIMATORS``: kl/k1, abs, mse/k2, low_var_kl/k3; KL controllers
+  * KL estimators ``KL_ESTIMATORS``: kl/k1, abs, mse/k2, low_var_kl/k3, and straight-through
+    ``<kind>+`` (value of the kind, gradient of k2); KL controllers
     ``KL_CONTROLLERS``: fixed, adaptive.
-  * loss aggregation modes ``AGGREGATION_MODES``: token-mean, seq-mean-token-sum,
+  * loss aggregation modes ``AGGREGATION_MODES``: token-mean, token-sum, seq-mean-token-sum,
     seq-mean-token-mean, seq-mean-token-sum-norm, normalised by the *global* batch.
   * rollout correction (``rollout_correction.py``): token/sequence TIS, MIS, icepop token
     masking, geometric-mean sequence rejection (``compute_rollout_correction``), with metrics.

@@ -31,6 +31,12 @@ verl conventions (``verl/trainer/ppo/core_algos.py``), kept so verl hyperparamet
   * reinforce_plus_plus_baseline: ``s - group mean`` (group of one: mean 0) broadcast to every
     token, then whitened over the batch.
   * remax: return-to-go minus the greedy rollout's score; no whitening.
+  * opo: ``s - b_g`` with the length-weighted baseline ``b_g = sum l_j s_j / sum l_j`` (l = real
+    tokens of a response); a group of one has baseline 0. No std division, no whitening.
+  * gpg: ``alpha * (s - mean_g)``, ``alpha = B / (B - M)`` with B the batch's responses and M
+    those in groups whose scores are all equal (they carry no gradient); the paper's F_norm = 1.
+  * grpo_passk: only the best response of each group gets an advantage, ``s_max - s_second``,
+    divided by ``std_g + eps`` when ``norm_by_std``; groups need >= 2 responses.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 
 from rlhf_megatron.algorithms._checks import check_positive, validated_mask, zero_padding
 from rlhf_megatron.algorithms.errors import (
+    InsufficientDataError,
     InvalidConfigError,
     MissingInputError,
     ShapeMismatchError,
@@ -242,6 +249,98 @@ def rloo_advantage(
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
     adv = zero_padding(adv.unsqueeze(-1).expand_as(rewards), mask)
     return adv, adv
+
+
+def _outcome(
+    inputs: AdvantageInputs, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask, rewards, scores (bs,), group_ids) of an outcome estimator that needs groups."""
+    mask, rewards, group_ids = _prepare(inputs, name, "group_ids")
+    return mask, rewards, rewards.sum(dim=-1), group_ids.to(rewards.device)
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = zero_padding(per_seq.unsqueeze(-1).expand(mask.shape), mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("opo")
+@torch.no_grad()
+def opo_advantage(
+    inputs: AdvantageInputs, config: AdvantageConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO's optimal baseline (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline",
+    arXiv:2505.23585; verl ``opo``): ``A_i = s_i - sum_j l_j s_j / sum_j l_j`` over the group,
+    ``l_j`` the number of real tokens of response j. Group of one: baseline 0. Empty responses
+    weigh 0 (a group of only empty responses has baseline 0). Needs ``inputs.group_ids``.
+    Returns ``(A, A)``, (bs, T).
+    """
+    mask, _, scores, group_ids = _outcome(inputs, "opo")
+    lengths = mask.sum(dim=-1).to(scores.dtype)
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    weighted = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device)
+    weighted.index_add_(0, inverse, lengths * scores)
+    total = torch.zeros_like(weighted).index_add_(0, inverse, lengths)
+    baseline = torch.where((counts > 1) & (total > 0), weighted / total.clamp(min=1), 0.0)
+    return _broadcast(scores - baseline[inverse], mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("gpg")
+@torch.no_grad()
+def gpg_advantage(
+    inputs: AdvantageInputs, config: AdvantageConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning", arXiv:2504.02546): ``A_i = alpha * (s_i - mean_g)`` with the paper's gradient
+    correction ``alpha = B / (B - M)``: B responses in the batch, M of them in groups whose
+    scores are all equal (zero advantage). F_norm = 1. A group of one has mean 0 (verl) and
+    counts as valid. Needs ``inputs.group_ids``. Returns ``(A, A)``, (bs, T).
+    """
+    mask, _, scores, group_ids = _outcome(inputs, "gpg")
+    mean, _, n = _group_stats(scores, group_ids)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    hi = scores.new_full((int(inverse.max()) + 1 if len(scores) else 0,), float("-inf"))
+    lo = scores.new_full(hi.shape, float("inf"))
+    hi = hi.scatter_reduce(0, inverse, scores, "amax")
+    lo = lo.scatter_reduce(0, inverse, scores, "amin")
+    invalid = (n > 1) & (hi == lo)[inverse]  # all-equal group: zero advantage, no gradient
+    valid = scores.numel() - int(invalid.sum())
+    alpha = scores.numel() / max(valid, 1)
+    return _broadcast(alpha * (scores - mean), mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_passk")
+@torch.no_grad()
+def grpo_passk_advantage(
+    inputs: AdvantageInputs, config: AdvantageConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO for pass@k (verl ``grpo_passk``, after arXiv:2503.19595): in each group only the
+    best response gets an advantage, ``s_max - s_second_max`` (``/ (std_g + eps)`` with
+    ``norm_by_std``, unbiased std); every other response gets 0. Ties go to the first best
+    response in batch order (its advantage is then 0 anyway). Needs ``inputs.group_ids`` and
+    groups of at least two responses (``InsufficientDataError`` otherwise). Returns ``(A, A)``.
+    """
+    mask, _, scores, group_ids = _outcome(inputs, "grpo_passk")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    if bool((counts < 2).any()):
+        raise InsufficientDataError("advantage estimator 'grpo_passk' needs at least two "
+                                    "responses per group (rollout.sampling.n >= 2)")
+    groups, bs = len(counts), len(scores)
+    neg_inf = torch.full((groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    best = neg_inf.scatter_reduce(0, inverse, scores, "amax")
+    position = torch.arange(bs, device=scores.device)
+    candidates = torch.where(scores == best[inverse], position, bs)
+    first = torch.full((groups,), bs, device=scores.device).scatter_reduce(
+        0, inverse, candidates, "amin")
+    is_best = position == first[inverse]
+    second = neg_inf.scatter_reduce(0, inverse, torch.where(is_best, float("-inf"), scores), "amax")
+    gap = best - second
+    if config.norm_by_std:
+        _, std, _ = _group_stats(scores, group_ids)
+        gap = gap[inverse] / (std + config.eps)
+    else:
+        gap = gap[inverse]
+    return _broadcast(torch.where(is_best, gap, torch.zeros_like(gap)), mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")

@@ -16,6 +16,11 @@ averages over DP instead).
 
 Modes (``mask``: 1 = real response token, 0 = padding; ``N_tok``/``N_seq`` from the normaliser):
   * ``token-mean``:              sum(loss * mask) / N_tok
+  * ``token-sum``:               sum(loss * mask), no denominator: the global batch's loss is the
+    sum over *all* its real tokens. The normaliser is not read (its denominator is the constant
+    1), so each piece's sum adds up to the global one exactly like the other modes; the loss and
+    its gradient grow with the number of tokens in the step (pick the learning rate for that).
+    verl's ``token-sum`` (its pure-IS / bypass presets).
   * ``seq-mean-token-sum``:      sum(loss * mask) / N_seq
   * ``seq-mean-token-mean``:     sum_i [sum_t(loss * mask)_i / n_i] / N_seq   (n_i = tokens of i)
   * ``seq-mean-token-sum-norm``: sum(loss * mask) / (N_seq * loss_scale_factor); the factor
@@ -97,6 +102,13 @@ def _token_mean(
     return loss.sum() / max(n.num_tokens, 1.0)
 
 
+@AGGREGATION_MODES.register("token-sum")
+def _token_sum(
+    loss: torch.Tensor, mask: torch.Tensor, n: LossNormalizer, scale: float
+) -> torch.Tensor:
+    return loss.sum()
+
+
 @AGGREGATION_MODES.register("seq-mean-token-sum")
 def _seq_mean_token_sum(
     loss: torch.Tensor, mask: torch.Tensor, n: LossNormalizer, scale: float
@@ -168,8 +180,8 @@ def aggregate_loss(
         loss_mat: ``(bs, T)`` per-token loss (may require grad); padding positions are ignored,
             whatever they hold.
         response_mask: ``(bs, T)``; 1 = real response token, 0 = padding.
-        mode: ``token-mean`` | ``seq-mean-token-sum`` | ``seq-mean-token-mean`` |
-            ``seq-mean-token-sum-norm`` (see the module docstring for the formulas).
+        mode: ``token-mean`` | ``token-sum`` | ``seq-mean-token-sum`` | ``seq-mean-token-mean``
+            | ``seq-mean-token-sum-norm`` (see the module docstring for the formulas).
         normalizer: global :class:`LossNormalizer`; ``None`` = this piece is the whole batch.
         loss_scale_factor: ``seq-mean-token-sum-norm`` only; default ``T``.
 

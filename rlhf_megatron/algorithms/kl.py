@@ -9,6 +9,11 @@ Divergence", http://joschu.net/blog/kl-approx.html), with ``d = logprob - ref_lo
 verl conventions for k3: ``-d`` is clamped to [-20, 20] before ``exp`` and the estimate to
 [-10, 10] (so the gradient is 0 outside those ranges).
 
+Straight-through kinds (verl >= 0.5 names): ``kl+``/``k1+``, ``abs+``, ``low_var_kl+``/``k3+``
+have the *value* of the base kind and the *gradient* of k2 (``k2 + sg[kind - k2]``), i.e.
+``d(logprob - ref_logprob)`` per token, an unbiased gradient of KL(pi || pi_ref) on on-policy
+samples whatever the reported estimate. ``mse+``/``k2+`` are plain k2.
+
 KL is used either as a reward penalty (:func:`apply_kl_penalty`: ``rewards = scores - beta * kl``,
 InstructGPT / Ziegler et al. 2019, verl ``apply_kl_penalty``) or as a loss term
 (:func:`compute_kl_loss`, GRPO style). ``beta`` comes from a :class:`FixedKLController` or an
@@ -61,6 +66,23 @@ def _k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(log_ratio.exp() - log_ratio - 1, min=-K3_OUT_CLAMP, max=K3_OUT_CLAMP)
 
 
+def _straight_through(kind: KLFn) -> KLFn:
+    """Value of ``kind``, gradient of k2: ``k2 + sg[kind - k2]``."""
+
+    def fn(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        k2 = _k2(logprob, ref_logprob)
+        return k2 + (kind(logprob, ref_logprob) - k2).detach()
+
+    fn.__qualname__ = f"straight_through({kind.__name__})"
+    return fn
+
+
+KL_ESTIMATORS.register("kl+", "k1+")(_straight_through(_k1))
+KL_ESTIMATORS.register("abs+")(_straight_through(_abs))
+KL_ESTIMATORS.register("low_var_kl+", "k3+")(_straight_through(_k3))
+KL_ESTIMATORS.register("mse+", "k2+")(_k2)
+
+
 def compute_kl(
     logprob: torch.Tensor, ref_logprob: torch.Tensor, response_mask: torch.Tensor, kind: str = "kl"
 ) -> torch.Tensor:
@@ -70,7 +92,8 @@ def compute_kl(
         logprob: ``(bs, T)`` log-probs of the sampled tokens under the policy (may require grad).
         ref_logprob: ``(bs, T)`` the same under the reference policy.
         response_mask: ``(bs, T)``; 1 = real response token, 0 = padding.
-        kind: ``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3``.
+        kind: ``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3``, or a
+            straight-through ``<kind>+`` (value of the kind, gradient of k2).
 
     Returns:
         ``(bs, T)``, 0 at padding positions.

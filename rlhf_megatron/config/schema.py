@@ -97,7 +97,7 @@ class AlgorithmSection:
     kl_coef: float = 0.001
     """KL weight (initial value for the adaptive controller)."""
     kl_kind: str = "low_var_kl"
-    """KL estimator (KL_ESTIMATORS: kl, abs, mse, low_var_kl)."""
+    """KL estimator (KL_ESTIMATORS: kl, abs, mse, low_var_kl; a '+' suffix: straight-through)."""
     kl_controller: str = "fixed"
     """'fixed' or 'adaptive' (kl_mode='reward' only)."""
     kl_target: float = 0.01

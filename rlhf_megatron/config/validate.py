@@ -107,7 +107,7 @@ def _check_algorithm(cfg: TrainConfig) -> None:
         raise ConfigError(f"algorithm.mini_batches={alg.mini_batches} must be >= 1")
     if alg.value_clip <= 0:
         raise ConfigError(f"algorithm.value_clip={alg.value_clip} must be > 0")
-    group_estimators = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+    group_estimators = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
     if cfg.estimator in group_estimators and cfg.rollout.sampling.n < 2:
         raise ConfigError(f"algorithm.advantage_estimator={cfg.estimator!r} compares samples of "
                           f"one prompt: rollout.sampling.n={cfg.rollout.sampling.n} must be >= 2")

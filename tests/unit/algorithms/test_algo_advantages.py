@@ -429,3 +429,45 @@ def test_turn_level_rewards_score_the_episode_as_their_sum() -> None:
     torch.testing.assert_close(a, b)
     std = math.sqrt(((1.5 - 0.9) ** 2 + (0.3 - 0.9) ** 2) / 1)
     torch.testing.assert_close(a[0, 0], torch.tensor(0.6 / (std + 1e-6), dtype=F64))
+
+
+# ---------------------------------------------------------------- opo, gpg, grpo pass@k
+
+
+def test_opo_uses_the_length_weighted_baseline_by_hand() -> None:
+    """Group 0: scores 1 (3 tokens) and 0 (1 token): b = (3*1 + 1*0) / 4 = 0.75.
+    Group 1 is a single response: baseline 0, advantage = its score."""
+    mask = t([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    rewards = outcome_rewards([1.0, 0.0, 2.0], [3, 1, 2], 3)
+    inputs = AdvantageInputs(rewards, mask, group_ids=torch.tensor([0, 0, 1]))
+    adv, ret = compute_advantages("opo", inputs)
+    torch.testing.assert_close(adv, t([[0.25] * 3, [-0.75, 0, 0], [2.0, 2.0, 0]]))
+    torch.testing.assert_close(ret, adv)
+
+
+def test_gpg_scales_by_batch_over_valid_responses_by_hand() -> None:
+    """B = 6 responses; group 1 (three 0.1 scores) is all-equal, so M = 3 and alpha = 6 / 3 = 2.
+    Group 0: scores 1, 0 (mean 0.5) -> +-1; group 2 is a single response (mean 0) -> 2 * 5."""
+    scores = [1.0, 0.0, 0.1, 0.1, 0.1, 5.0]
+    inputs = AdvantageInputs(outcome_rewards(scores, [2] * 6, 2), torch.ones(6, 2, dtype=F64),
+                             group_ids=torch.tensor([0, 0, 1, 1, 1, 2]))
+    adv, _ = compute_advantages("gpg", inputs)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([1.0, -1.0, 0, 0, 0, 10.0], dtype=F64))
+
+
+def test_grpo_passk_gives_only_the_best_response_the_gap_by_hand() -> None:
+    """Group 0: scores 3, 1, 2 -> best 3, second 2: gap 1, std 1 -> 1 / (1 + 1e-6) on row 0.
+    Group 1: a tie at 1 -> gap 0 for everyone."""
+    scores = [3.0, 1.0, 2.0, 1.0, 1.0, 0.0]
+    mask = torch.ones(6, 2, dtype=F64)
+    inputs = AdvantageInputs(outcome_rewards(scores, [2] * 6, 2), mask,
+                             group_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
+    adv, _ = compute_advantages("grpo_passk", inputs)
+    expected = torch.tensor([1 / (1 + 1e-6), 0, 0, 0, 0, 0], dtype=F64)
+    torch.testing.assert_close(adv[:, 0], expected)
+    raw, _ = compute_advantages("grpo_passk", inputs, AdvantageConfig(norm_by_std=False))
+    torch.testing.assert_close(raw[:, 1], torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=F64))
+    lonely = AdvantageInputs(outcome_rewards([1.0], [1], 1), torch.ones(1, 1),
+                             group_ids=torch.tensor([0]))
+    with pytest.raises(InsufficientDataError, match="two responses per group"):
+        compute_advantages("grpo_passk", lonely)

@@ -24,6 +24,7 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last sequence is e
     ("mode", "expected"),
     [
         ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+        ("token-sum", 7.0),  # 1 + 2 + 4, no denominator
         ("seq-mean-token-sum", 7 / 2),  # (3 + 4) / 2 non-empty sequences
         ("seq-mean-token-mean", (1.5 + 4) / 2),
         ("seq-mean-token-sum-norm", 7 / (2 * 3)),  # scale factor defaults to T = 3
@@ -48,6 +49,16 @@ def test_normalizer_counts_tokens_and_non_empty_sequences() -> None:
     assert LossNormalizer.from_tensor(total.to_tensor()) == total
     with pytest.raises(InvalidConfigError):
         LossNormalizer(-1.0, 1.0)
+
+
+def test_token_sum_ignores_the_normalizer_and_sums_every_real_token() -> None:
+    """token-sum's global loss is the plain sum over the global batch: each piece adds its own
+    sum and the normaliser's counts are not read."""
+    n = LossNormalizer(num_tokens=14.0, num_seqs=8.0)
+    assert aggregate_loss(LOSS, MASK, "token-sum", n).item() == pytest.approx(7.0)
+    leaf = LOSS.clone().requires_grad_(True)
+    aggregate_loss(leaf, MASK, "token-sum", n).backward()
+    torch.testing.assert_close(leaf.grad, MASK.to(F64))  # d(sum)/d(loss_t) = 1 per real token
 
 
 def test_explicit_global_normalizer_is_used() -> None:

@@ -50,6 +50,38 @@ def test_kl_estimators_by_hand(kinds: tuple[str, ...], expected: list[float]) ->
         )
 
 
+@pytest.mark.parametrize(
+    ("kinds", "expected"),
+    [
+        (("kl+", "k1+"), [LN2, -LN2]),
+        (("abs+",), [LN2, LN2]),
+        (("low_var_kl+", "k3+"), [0.5 - 1 + LN2, 2.0 - 1 - LN2]),
+        (("mse+", "k2+"), [0.5 * LN2**2, 0.5 * LN2**2]),
+    ],
+)
+def test_straight_through_kinds_have_the_kinds_value_and_k2s_gradient(
+    kinds: tuple[str, ...], expected: list[float]
+) -> None:
+    """verl >= 0.5 '+' kinds: forward = the kind, backward = k2's d/dlogp = logp - ref
+    (here +ln2 and -ln2, where k1's gradient would be 1 and abs's +-1)."""
+    for kind in kinds:
+        logp = LOGP.clone().requires_grad_(True)
+        kl = compute_kl(logp, REF, ONES, kind)
+        torch.testing.assert_close(kl.detach(), torch.tensor([expected], dtype=F64))
+        kl.sum().backward()
+        torch.testing.assert_close(logp.grad, torch.tensor([[LN2, -LN2]], dtype=F64))
+    assert KL_ESTIMATORS.get("k2+") is KL_ESTIMATORS.get("k2")  # plain k2, not a wrapper
+
+
+def test_straight_through_kl_loss_gradient_is_k2s_under_aggregation() -> None:
+    logp = LOGP.clone().requires_grad_(True)
+    loss, metrics = compute_kl_loss(logp, REF, ONES, "k1+", LossAggregation("token-sum"))
+    assert loss.item() == pytest.approx(0.0)  # k1 values +ln2 and -ln2 cancel
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[LN2, -LN2]], dtype=F64))
+    assert metrics["kl_mean"].item() == pytest.approx(0.0)
+
+
 def test_k3_is_clamped_like_verl() -> None:
     logp = torch.tensor([[-100.0, 0.0, -30.0]], dtype=F64)
     ref = torch.tensor([[0.0, -100.0, 0.0]], dtype=F64)

@@ -36,11 +36,16 @@ def test_registries_hold_the_documented_names() -> None:
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",
+        "opo",
+        "gpg",
+        "grpo_passk",
     }
     assert set(POLICY_LOSSES.names()) == {"vanilla", "gspo"}
-    assert set(KL_ESTIMATORS.names()) == {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
+    base = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
+    assert set(KL_ESTIMATORS.names()) == base | {f"{kind}+" for kind in base}
     assert set(AGGREGATION_MODES.names()) == {
         "token-mean",
+        "token-sum",
         "seq-mean-token-sum",
         "seq-mean-token-mean",
         "seq-mean-token-sum-norm",
@@ -70,7 +75,7 @@ def test_convenience_entry_points_reject_unknown_names() -> None:
     with pytest.raises(UnknownNameError, match="gae"):
         alg.compute_advantages("ppo2", alg.AdvantageInputs(torch.zeros(1, 2), mask))
     with pytest.raises(UnknownNameError, match="token-mean"):
-        alg.LossAggregation(mode="token-sum")
+        alg.LossAggregation(mode="token-max")
     with pytest.raises(UnknownNameError, match="low_var_kl"):
         alg.compute_kl(torch.zeros(1, 2), torch.zeros(1, 2), mask, kind="k4")
     with pytest.raises(UnknownNameError, match="adaptive"):
