@@ -151,9 +151,14 @@ def expected_hf_shapes(hf_config: Any) -> dict[str, torch.Size]:
     """HF parameter name -> shape implied by `hf_config` (built on the meta device)."""
     import transformers
 
+    from rlhf_megatron.models.mapping_tables import per_expert_checkpoint_shapes
+
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    return {name: param.shape for name, param in model.state_dict().items()}
+    shapes = {name: param.shape for name, param in model.state_dict().items()}
+    # MoE: experts are fused in memory but stored per expert.
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    return per_expert_checkpoint_shapes(architectures[0], shapes) if architectures else shapes
 
 
 def load_hf_config(hf_dir: str | Path) -> Any:

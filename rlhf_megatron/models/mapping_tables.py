@@ -7,7 +7,11 @@ as `layer_norm_weight`). A model has one set or the other; the table holds both.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from rlhf_megatron.models.param_mapping import (
     DirectMapping,
@@ -15,6 +19,7 @@ from rlhf_megatron.models.param_mapping import (
     MappingTable,
     ParamMapping,
     QKVMapping,
+    ShardContext,
     RowParallelMapping,
     VocabParallelMapping,
 )
@@ -87,7 +92,47 @@ _EXPERT_NAMES = {
 }
 
 
-def expert_mappings(architecture: str) -> list[ParamMapping]:
+@dataclass(frozen=True)
+class StackedExpertsMapping(ParamMapping):
+    """All experts of one layer stacked on a leading axis <-> the per-expert HF tensors.
+
+    This is how Megatron's SequentialMLP names its experts in the sharded state dict (a
+    dist-checkpoint stores `mlp.experts.experts.linear_fc{1,2}.weight` with the global expert index
+    as an axis): the converter reads or writes the (E, *per-expert shard) tensor, and `per_expert`
+    (a GatedMLPMapping or RowParallelMapping over a `*` expert pattern) handles each expert.
+    """
+
+    per_expert: ParamMapping | None = None
+    num_experts: int = 0
+
+    def _expert_sources(self, sources: Mapping[str, Any], e: int) -> dict[str, Any]:
+        return {role: sources[f"{role}@{e}"] for role in self.per_expert.hf}
+
+    def hf_to_megatron(self, sources: Mapping[str, Any], ctx: ShardContext) -> torch.Tensor:
+        return torch.stack([self.per_expert.hf_to_megatron(self._expert_sources(sources, e), ctx)
+                            for e in range(self.num_experts)])
+
+    def megatron_to_hf(self, shards: Sequence[torch.Tensor], ctx: ShardContext
+                       ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for e in range(self.num_experts):
+            tensors = self.per_expert.megatron_to_hf([shard[e] for shard in shards], ctx)
+            out.update({f"{role}@{e}": tensor for role, tensor in tensors.items()})
+        return out
+
+
+def _stacked(megatron: str, per_expert: ParamMapping, num_experts: int) -> StackedExpertsMapping:
+    # HF patterns: the per-expert pattern's last `*` (the expert) is filled in here, the layer `*`
+    # by the table.
+    hf = {}
+    for role, pattern in per_expert.hf.items():
+        head, _, tail = pattern.rpartition("*")
+        for e in range(num_experts):
+            hf[f"{role}@{e}"] = f"{head}{e}{tail}"
+    return StackedExpertsMapping(megatron, hf, per_expert=per_expert, num_experts=num_experts)
+
+
+def expert_mappings(architecture: str, num_experts: int = 0) -> list[ParamMapping]:
     """Router and per-expert mappings of an MoE architecture (sequential and grouped layouts)."""
     block, router, gate, up, down = _EXPERT_NAMES[architecture]
     hf_expert = f"{_H}{block}.experts.*."
@@ -103,6 +148,10 @@ def expert_mappings(architecture: str) -> list[ParamMapping]:
             GatedMLPMapping(fc1, gate=f"{hf_expert}{gate}.weight", up=f"{hf_expert}{up}.weight"),
             RowParallelMapping(fc2, f"{hf_expert}{down}.weight"),
         ]
+    if num_experts:  # the dist-checkpoint names (converter)
+        fc1, fc2 = mappings[1], mappings[2]
+        mappings += [_stacked(f"{_M}mlp.experts.experts.linear_fc1.weight", fc1, num_experts),
+                     _stacked(f"{_M}mlp.experts.experts.linear_fc2.weight", fc2, num_experts)]
     if architecture == "Qwen2MoeForCausalLM":
         shared = f"{_H}mlp.shared_expert."
         mappings += [
@@ -119,5 +168,40 @@ def expert_mappings(architecture: str) -> list[ParamMapping]:
 def moe_table_for(spec: Any, hf_config: Any) -> MappingTable:
     """The Llama-like table of `spec` plus its router and expert mappings (dense layers of a
     Qwen-MoE model, `mlp_only_layers`, use the dense MLP entries)."""
+    from rlhf_megatron.models.moe_config import moe_shape
+
     dense = llama_like_table_for(spec, hf_config)
-    return MappingTable([*dense.mappings, *expert_mappings(spec.hf_architecture)])
+    experts = moe_shape(hf_config).num_experts
+    return MappingTable([*dense.mappings, *expert_mappings(spec.hf_architecture, experts)])
+
+
+def per_expert_checkpoint_shapes(architecture: str, shapes: dict[str, Any]) -> dict[str, Any]:
+    """HF in-memory parameter shapes -> the names and shapes an MoE checkpoint stores.
+
+    transformers 5 holds each layer's experts fused in memory (`mlp.experts.gate_up_proj`
+    (E, 2F, H) and `mlp.experts.down_proj` (E, H, F)) but writes and reads checkpoints per expert
+    (`<block>.experts.<e>.<gate|up|down>.weight`; Mixtral's block is `block_sparse_moe` with
+    w1/w3/w2). Other names pass through. Dense architectures are returned unchanged.
+    """
+    if architecture not in _EXPERT_NAMES:
+        return shapes
+    block, router, gate, up, down = _EXPERT_NAMES[architecture]
+    out: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        prefix, _, leaf = name.rpartition(".mlp.")
+        if not prefix:
+            out[name] = shape
+        elif leaf == "experts.gate_up_proj":
+            experts, two_f, hidden = shape
+            for e in range(experts):
+                for role in (gate, up):
+                    out[f"{prefix}.{block}.experts.{e}.{role}.weight"] = torch.Size((two_f // 2, hidden))
+        elif leaf == "experts.down_proj":
+            experts, hidden, ffn = shape
+            for e in range(experts):
+                out[f"{prefix}.{block}.experts.{e}.{down}.weight"] = torch.Size((hidden, ffn))
+        elif leaf == f"{router}.weight":
+            out[f"{prefix}.{block}.{router}.weight"] = shape
+        else:
+            out[name] = shape
+    return out
