@@ -108,6 +108,34 @@ def check_layout(role: MegatronRole, cluster: Cluster) -> list[Finding]:
     return findings
 
 
+def check_context_parallel(cfg: TrainConfig, role: MegatronRole,
+                           cluster: Cluster) -> list[Finding]:
+    """CP against the rows: each row is padded to a multiple of 2*cp and split in 2*cp chunks
+    (engines/context_parallel.py), so it needs 2*cp tokens and must fit the token budget once
+    padded; CP groups spanning nodes exchange K/V over the network every layer."""
+    layout, where = role.layout, f"{role.name}.layout"
+    if layout.cp == 1:
+        return []
+    chunks, longest = 2 * layout.cp, longest_row(cfg)
+    if longest < chunks:
+        return [Finding("error", where, f"cp={layout.cp} splits each row into 2*cp={chunks} "
+                        f"chunks, but the longest row has {longest} tokens")]
+    padded = -(-longest // chunks) * chunks
+    findings = [Finding("info", where, f"cp={layout.cp}: rows padded to multiples of {chunks}; "
+                        f"each CP rank holds {padded // layout.cp} of the longest row's "
+                        f"{padded} tokens")]
+    budget = role.engine.max_tokens_per_micro_batch
+    if budget is not None and budget < padded:
+        findings.append(Finding("error", f"{role.name}.engine.max_tokens_per_micro_batch",
+                                f"{budget} is below the longest row padded for cp={layout.cp} "
+                                f"({padded} tokens)"))
+    if layout.tp * layout.cp > cluster.gpus_per_node:
+        findings.append(Finding("info", where, f"tp*cp = {layout.tp * layout.cp} spans nodes of "
+                                f"{cluster.gpus_per_node} GPUs: the CP group's K/V exchange "
+                                "crosses the inter-node network every layer"))
+    return findings
+
+
 def check_batches(cfg: TrainConfig, role: MegatronRole) -> list[Finding]:
     """Global batch -> mini-batches -> DP ranks -> micro-batches, as the engines cut them."""
     rows = cfg.data.prompts_per_step * cfg.rollout.sampling.n
@@ -170,6 +198,7 @@ def check_all(cfg: TrainConfig, cluster: Cluster, shapes: dict[str, ModelShape],
     findings = check_pools(cfg, cluster)
     for role in megatron_roles(cfg, shapes):
         findings += check_layout(role, cluster)
+        findings += check_context_parallel(cfg, role, cluster)
         findings += check_batches(cfg, role)
     findings += check_rollout(cfg, shapes["actor"], hf)
     return findings

@@ -108,14 +108,16 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
                                   optimizer_shards=shards)
         forward = forward_activation_bytes(
             shape, tokens=tokens, tp=layout.tp, sequence_parallel=SEQUENCE_PARALLEL,
-            act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0)
+            act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0,
+            cp=layout.cp)
         acts = forward
         if trainable:
             acts = training_activation_bytes(
                 shape, tokens=tokens, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, stage=stage,
                 micro_batches=micro_batches_per_rank(cfg, role),
                 recompute=engine.recompute_activations, sequence_parallel=SEQUENCE_PARALLEL,
-                act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0)
+                act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0,
+                cp=layout.cp)
         memory = RoleMemory(name, describe, state.weights, state.grads, state.optimizer, acts,
                             forward_activations=forward)
         if worst is None or memory.total > worst.total:

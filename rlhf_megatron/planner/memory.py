@@ -69,7 +69,7 @@ def model_state_bytes(params: int, *, dtype: str, trainable: bool, optimizer: st
 
 def layer_activation_bytes(shape: ModelShape, tokens: float, *, tp: int,
                            sequence_parallel: bool, act_bytes: int,
-                           flash_attention: bool = True, seq_len: int = 0) -> float:
+                           flash_attention: bool = True, seq_len: int = 0, cp: int = 1) -> float:
     """Activations one decoder layer keeps for its backward pass, on one TP rank.
 
     Per token (act_bytes each): the inputs of both RMSNorms and of the QKV and fc1 GEMMs, 4h,
@@ -78,10 +78,13 @@ def layer_activation_bytes(shape: ModelShape, tokens: float, *, tp: int,
     Korthikanti et al.'s 34*s*b*h (GPT, 4h GELU MLP, dropout) becomes this for Llama-like layers;
     their 5*a*s/h term (the s x s softmax) vanishes with flash attention, which keeps only the
     row statistics. Without flash attention one (a/tp, s, s) softmax output is added.
+    With context parallelism `tokens` are this CP rank's share and the attention also keeps the
+    K and V its CP group gathered for it (models/sdpa_cp.py; TE's p2p ring keeps the same):
+    (cp - 1) * 2(g*d)/tp more per local token.
     """
     replicated = 4 * shape.hidden / (tp if sequence_parallel else 1)
     sharded = (2 * shape.q_width + 2 * shape.kv_width + 3 * shape.ffn) / tp
-    per_token = act_bytes * (replicated + sharded)
+    per_token = act_bytes * (replicated + sharded + (cp - 1) * 2 * shape.kv_width / tp)
     if not flash_attention:
         per_token += act_bytes * shape.heads * seq_len / tp
     return tokens * per_token
@@ -107,7 +110,7 @@ def in_flight_micro_batches(*, pp: int, vpp: int | None, stage: int,
 def training_activation_bytes(shape: ModelShape, *, tokens: float, tp: int, pp: int,
                               vpp: int | None, stage: int, micro_batches: int | None,
                               recompute: bool, sequence_parallel: bool, act_bytes: int,
-                              logits_columns: int) -> float:
+                              logits_columns: int, cp: int = 1) -> float:
     """Peak activations of one rank of pipeline stage `stage` during a training step.
 
     Without recompute every layer of the stage keeps `layer_activation_bytes` per in-flight
@@ -119,7 +122,7 @@ def training_activation_bytes(shape: ModelShape, *, tokens: float, tp: int, pp: 
     layers = shape.layers // pp
     in_flight = in_flight_micro_batches(pp=pp, vpp=vpp, stage=stage, micro_batches=micro_batches)
     full = layer_activation_bytes(shape, tokens, tp=tp, sequence_parallel=sequence_parallel,
-                                  act_bytes=act_bytes)
+                                  act_bytes=act_bytes, cp=cp)
     if recompute:
         checkpoint = tokens * shape.hidden * act_bytes / (tp if sequence_parallel else 1)
         stored = in_flight * layers * checkpoint + full
@@ -132,11 +135,11 @@ def training_activation_bytes(shape: ModelShape, *, tokens: float, tp: int, pp: 
 
 def forward_activation_bytes(shape: ModelShape, *, tokens: float, tp: int,
                              sequence_parallel: bool, act_bytes: int,
-                             logits_columns: int) -> float:
+                             logits_columns: int, cp: int = 1) -> float:
     """Peak of a forward-only pass (log-probs, values, scores): one layer's working set plus the
     logits and their fp32 copy (nothing is kept for a backward pass)."""
     layer = layer_activation_bytes(shape, tokens, tp=tp, sequence_parallel=sequence_parallel,
-                                   act_bytes=act_bytes)
+                                   act_bytes=act_bytes, cp=cp)
     return layer + tokens * logits_columns * (act_bytes + 4)
 
 

@@ -5,7 +5,9 @@ TP among the divisors of a node's GPU count that split the heads, KV heads and F
 divisors of the layer count; DP fills the role's pool; the distributed optimizer is on. They are
 tried in this order: smallest TP*PP first (more data parallelism, optimizer state sharded wider),
 then fewer pipeline stages, then recompute off before on, then the actor kept on the GPU during
-generation before offloaded. For each, the rollout TP (the configured one first, then the
+generation before offloaded. TP*PP counts CP in: with rows of at least `LONG_ROW_TOKENS` tokens
+the search also tries cp = 2, 4, 8, 16 (after the configured cp at the same TP*PP*CP and PP), so
+a long-response config that fits no smaller layout gets CP before more pipeline stages. For each, the rollout TP (the configured one first, then the
 others from small to large) gets the largest gpu_memory_utilization (steps of 0.05, at most 0.9)
 that the GPU's other residents leave. The first candidate whose plan fits with
 `HEADROOM_GIB` to spare on every GPU is the suggestion.
@@ -20,6 +22,7 @@ from typing import Any
 
 from rlhf_megatron.config.roles import MEGATRON_ROLES, megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
+from rlhf_megatron.planner.checks import longest_row
 from rlhf_megatron.planner.cluster import Cluster, on_cluster
 from rlhf_megatron.planner.memory import GIB
 from rlhf_megatron.planner.plan import PlanReport, Suggestion, evaluate
@@ -28,7 +31,9 @@ from rlhf_megatron.planner.shapes import ModelShape
 _UTIL_STEP = 0.05
 _UTIL_MAX = 0.9
 _AWAKE_PHASES = ("generate", "refit")
-_ROLES = ("actor", "critic", "reward_model")
+_CP_SIZES = (2, 4, 8, 16)
+LONG_ROW_TOKENS = 8192
+"""Rows (prompt + response) at least this long make the search try context parallelism."""
 HEADROOM_GIB = 2.0
 """A suggestion must fit in gpu_mem - HEADROOM_GIB: estimates are not measurements."""
 
@@ -39,6 +44,7 @@ class TrainerCandidate:
 
     model_parallel: int
     pp: int
+    cp: int
     recompute: bool
     offload: bool
     tp: int
@@ -66,8 +72,12 @@ def trainer_candidates(cfg: TrainConfig, cluster: Cluster,
     pps = [p for p in _divisors(min(s.layers for s in used))
            if all(s.layers % p == 0 for s in used)]
     offloads = (False, True) if cfg.resources.mode == "colocated" else (False,)
-    return sorted(TrainerCandidate(tp * pp, pp, recompute, offload, tp)
-                  for tp in tps for pp in pps for recompute in (False, True) for offload in offloads)
+    cps = {cfg.actor.layout.cp}
+    if longest_row(cfg) >= LONG_ROW_TOKENS:
+        cps |= set(_CP_SIZES)
+    return sorted(TrainerCandidate(tp * pp * cp, pp, cp, recompute, offload, tp)
+                  for cp in cps for tp in tps for pp in pps for recompute in (False, True)
+                  for offload in offloads)
 
 
 def apply_trainer(cfg: TrainConfig, cluster: Cluster,
@@ -75,11 +85,10 @@ def apply_trainer(cfg: TrainConfig, cluster: Cluster,
     """`cfg` with the candidate's layout on every Megatron role; None when a pool cannot take it."""
     for role, pool in _role_pools(cfg, cluster).items():
         section = getattr(cfg, role)
-        cp = section.layout.cp
-        if pool % (candidate.model_parallel * cp):
+        if pool % candidate.model_parallel:
             return None
-        layout = LayoutSpec(tp=candidate.tp, pp=candidate.pp, vpp=None, cp=cp,
-                            dp=pool // (candidate.model_parallel * cp))
+        layout = LayoutSpec(tp=candidate.tp, pp=candidate.pp, vpp=None, cp=candidate.cp,
+                            dp=pool // candidate.model_parallel)
         optimizer = dataclasses.replace(section.engine.optimizer, use_distributed_optimizer=True)
         engine = dataclasses.replace(section.engine, recompute_activations=candidate.recompute,
                                      optimizer=optimizer)
