@@ -160,8 +160,8 @@ def suggest_layout(cfg: TrainConfig, cluster: Cluster, shapes: dict[str, ModelSh
                    hf: Any) -> Suggestion | None:
     """The first fitting candidate (module docstring), or None when none fits the cluster."""
     if cluster.gpu_mem_gib <= HEADROOM_GIB:  # no room once the headroom is kept free
-    tighter = dataclasses.replace(cluster, gpu_mem_gib=cluster.gpu_mem_gib - HEADROOM_GIB)
         return None
+    tighter = dataclasses.replace(cluster, gpu_mem_gib=cluster.gpu_mem_gib - HEADROOM_GIB)
     for report in _fitting(on_cluster(cfg, tighter), tighter, shapes, hf):
         final = evaluate(report.cfg, cluster, shapes, hf)
         return Suggestion(tuple(overrides_between(cfg, final.cfg)), final)
