@@ -117,7 +117,8 @@ class CheckpointStore:
         final = self.root / step_dir_name(step)
 
         _write_durable(temp_dir / CONTROLLER_STATE_FILE, json.dumps(controller_state, indent=2))
-        _write_durable(temp_dir / MANIFEST_FILE, json.dumps(build_manifest(temp_dir), indent=1))
+        manifest = build_manifest(temp_dir, checksums=self.verify_mode == "full")
+        _write_durable(temp_dir / MANIFEST_FILE, json.dumps(manifest, indent=1))
         _fsync_tree(temp_dir)
         _write_durable(temp_dir / COMPLETE_MARKER, f"{step}\n")
         _fsync_path(temp_dir)
@@ -256,9 +257,10 @@ def _crc32(path: Path, chunk: int = 8 << 20) -> str:
     return f"{value:08x}"
 
 
-def build_manifest(directory: Path) -> dict[str, Any]:
+def build_manifest(directory: Path, checksums: bool = True) -> dict[str, Any]:
     """{"files": {relative path: {"size", "crc32"}}} of every file under ``directory`` (the
-    manifest and COMPLETE themselves excepted)."""
+    manifest and COMPLETE themselves excepted). ``checksums=False`` (checkpoint_verify='size' or
+    'off') records sizes only ("crc32": None), so a save reads nothing back."""
     files = {}
     for dirpath, _, names in os.walk(directory):
         for name in sorted(names):
@@ -266,8 +268,9 @@ def build_manifest(directory: Path) -> dict[str, Any]:
             rel = path.relative_to(directory).as_posix()
             if rel in (MANIFEST_FILE, COMPLETE_MARKER):
                 continue
-            files[rel] = {"size": path.stat().st_size, "crc32": _crc32(path)}
-    return {"version": 1, "checksum": "crc32", "files": files}
+            files[rel] = {"size": path.stat().st_size,
+                          "crc32": _crc32(path) if checksums else None}
+    return {"version": 1, "checksum": "crc32" if checksums else None, "files": files}
 
 
 def verify_checkpoint(path: Path, mode: str = "full") -> str | None:
@@ -291,7 +294,7 @@ def verify_checkpoint(path: Path, mode: str = "full") -> str | None:
             return f"{rel} is missing"
         if size != entry["size"]:
             return f"{rel} has {size} bytes, the manifest says {entry['size']}"
-        if mode == "full" and _crc32(file) != entry["crc32"]:
+        if mode == "full" and entry.get("crc32") and _crc32(file) != entry["crc32"]:
             return f"{rel} fails its CRC-32 check (contents changed)"
     return None
 
