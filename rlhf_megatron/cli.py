@@ -125,9 +125,8 @@ def _add_plan(commands: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf_megatron.errors import RlhfMegatronError
-
     from rlhf_megatron.controller.lifecycle import EXIT_INTERRUPTED, StopRequested
+    from rlhf_megatron.errors import RlhfMegatronError
 
     args = build_parser().parse_args(argv)
     try:

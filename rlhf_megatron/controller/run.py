@@ -31,9 +31,8 @@ from rlhf_megatron.controller.metrics import build_metrics_logger
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.trainer import restore_checkpoint, save_checkpoint, train_steps
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
-from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
-from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
+from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.rewards import RewardManager
 
 
@@ -68,10 +67,6 @@ def _say(message: str) -> None:
 def train(cfg: TrainConfig) -> Path:
     """Run training as configured; returns the run directory. A signal (SIGTERM, SIGUSR1,
     SIGINT) ends it with StopRequested after a checkpoint of the step reached (lifecycle.py)."""
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:  # SFT/DPO/KTO: no rollout, own loop
-        from rlhf_megatron.offline.trainer import train_offline
-
-        return train_offline(cfg)
     stop = GracefulStop()
     stop.install()
     try:
@@ -137,10 +132,40 @@ def _teardown(groups: Any, pids: list[int], rewards: RewardManager, logger: Any)
     ray.shutdown()
 
 
-def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
-    import ray
+def _load_data(cfg: TrainConfig, resume_state: dict[str, Any] | None,
+               resume_from: Path | None) -> tuple[Any, list, list, PromptLoader]:
+    """Tokenizer, training and held-out items, and the prompt loader (checked against the
+    checkpoint to resume from)."""
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path
+                                              or hf_assets_dir(cfg.model.path))
+    train_items = load_prompts(cfg, tokenizer, cfg.data.train_files)
+    val_items = (load_prompts(cfg, tokenizer, cfg.data.val_files, cfg.data.val_max_prompts)
+                 if cfg.data.val_files else [])
+    loader = PromptLoader(train_items, batch_size=cfg.data.prompts_per_step, seed=cfg.data.seed)
+    if resume_state is not None:
+        _check_loader_state(loader, resume_state, resume_from)
+    return tokenizer, train_items, val_items, loader
+
+
+def _first_step(run: Run, store: CheckpointStore, resume_from: Path | None) -> int:
+    """Restore the checkpoint (or refit vLLM from a Megatron model.path); the step to run next."""
+    if resume_from is not None:
+        try:
+            start_step = restore_checkpoint(run, store, resume_from)
+        except (RlhfMegatronError, OSError) as exc:
+            raise CheckpointError(f"loading checkpoint {resume_from} failed: {exc}") from None
+        _say(f"resumed from {resume_from} at step {start_step}")
+        return start_step
+    if is_megatron_checkpoint(run.cfg.model.path):
+        # vLLM started on placeholder weights (a dist-checkpoint has no HF weights).
+        phases.refit(run, version=0)
+        _say(f"rollout weights sent from the actor (loaded from {run.cfg.model.path})")
+    return 1
+
+
+def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
     from rlhf_megatron.controller.groups import build_groups
     from rlhf_megatron.controller.ray_cluster import reserve_pools, start_ray
 
@@ -154,14 +179,7 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
     for path in remove_orphan_segments():
         _say(f"removed {path}, left behind by a process that no longer exists")
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path
-                                              or hf_assets_dir(cfg.model.path))
-    train_items = load_prompts(cfg, tokenizer, cfg.data.train_files)
-    val_items = (load_prompts(cfg, tokenizer, cfg.data.val_files, cfg.data.val_max_prompts)
-                 if cfg.data.val_files else [])
-    loader = PromptLoader(train_items, batch_size=cfg.data.prompts_per_step, seed=cfg.data.seed)
-    if resume_state is not None:
-        _check_loader_state(loader, resume_state, resume_from)
+    tokenizer, train_items, val_items, loader = _load_data(cfg, resume_state, resume_from)
     alg = cfg.algorithm
     kl_controller = build_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target,
                                         alg.kl_horizon)
@@ -182,17 +200,7 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
         pids = [pid for group in groups.all() for pid in group.call("ping")]
         _say(f"workers ready in {time.perf_counter() - start:.1f}s")
         run = Run(cfg, groups, tokenizer, rewards, kl_controller, loader, val_items)
-        start_step = 1
-        if resume_from is not None:
-            try:
-                start_step = restore_checkpoint(run, store, resume_from)
-            except (RlhfMegatronError, OSError) as exc:
-                raise CheckpointError(f"loading checkpoint {resume_from} failed: {exc}") from None
-            _say(f"resumed from {resume_from} at step {start_step}")
-        elif is_megatron_checkpoint(cfg.model.path):
-            # vLLM started on placeholder weights (a dist-checkpoint has no HF weights).
-            phases.refit(run, version=0)
-            _say(f"rollout weights sent from the actor (loaded from {cfg.model.path})")
+        start_step = _first_step(run, store, resume_from)
         logger = build_metrics_logger(
             run_dir, console=cfg.metrics.console, tensorboard=cfg.metrics.tensorboard,
             wandb_project=cfg.metrics.wandb_project, run_name=cfg.trainer.run_name or run_dir.name,
