@@ -218,6 +218,17 @@ class TrainerSection:
     """Diagnosis and tests: after the advantages of these steps, write the step's batch (token
     ids, masks, log-probs, values, token-level rewards, advantages, returns, sequence scores) to
     `<run_dir>/batches/step_<N>.pt` (`torch.load` reads it)."""
+    rollout_mode: str = "sync"
+    """'sync': generate, then train (colocated or split pools). 'one_step_off': batch k+1
+    generates while batch k trains, on split pools; the refit waits for batch k+1, so it is
+    generated one weight version behind. 'async': the engines generate continuously into a
+    bounded buffer and the trainer takes prompts_per_step completed groups; a refit pauses the
+    engines and requests in flight continue on the new weights (partial rollouts, each token
+    recording its weight version). See docs/ROLLOUT_AND_REFIT.md."""
+    max_staleness: int = 1
+    """async: the most weight versions a trained group's oldest token may lag the trainer; older
+    groups are dropped and counted (async/dropped_groups). The engines run max_staleness batches
+    ahead of the one being trained."""
 
 
 @dataclass

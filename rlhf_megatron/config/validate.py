@@ -143,6 +143,27 @@ def _check_trainer(cfg: TrainConfig) -> None:
     _one_of("rollout.refit_transport", cfg.rollout.refit_transport, ("auto", "local", "broadcast"))
     if cfg.ray.startup_timeout_s <= 0:
         raise ConfigError(f"ray.startup_timeout_s={cfg.ray.startup_timeout_s} must be > 0")
+    _check_rollout_mode(cfg)
+
+
+ROLLOUT_MODES = ("sync", "one_step_off", "async")
+
+
+def _check_rollout_mode(cfg: TrainConfig) -> None:
+    """Overlapped modes need split pools (colocated they would time-slice the same devices:
+    no overlap, only staleness; docs/ROLLOUT_AND_REFIT.md)."""
+    t = cfg.trainer
+    _one_of("trainer.rollout_mode", t.rollout_mode, ROLLOUT_MODES)
+    if not isinstance(t.max_staleness, int) or t.max_staleness < 1:
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness!r} must be an integer >= 1 "
+                          "(weight versions)")
+    if t.rollout_mode != "sync" and cfg.resources.mode != "split":
+        raise ConfigError(f"trainer.rollout_mode={t.rollout_mode} needs resources.mode=split "
+                          f"(got {cfg.resources.mode!r}): generation overlaps training only on "
+                          "separate devices")
+    if t.rollout_mode != "sync" and cfg.algorithm.critic_warmup_steps:
+        raise ConfigError(f"trainer.rollout_mode={t.rollout_mode} does not support "
+                          f"algorithm.critic_warmup_steps={cfg.algorithm.critic_warmup_steps}")
 
 
 def _check_paths(cfg: TrainConfig) -> None:

@@ -35,7 +35,6 @@ from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_batch import (
     groups_to_batch,
-    logprob_diff_by_lag,
     split_by_staleness,
 )
 from rlhf_megatron.rollout.async_engine import RolloutGroup
@@ -104,6 +103,13 @@ class AsyncRollout:
 def pipeline_depth(mode: str, max_staleness: int) -> int:
     """Batches submitted ahead of the one being trained."""
     return 1 if mode == "one_step_off" else max_staleness
+
+
+def buffer_capacity(cfg: Any) -> int:
+    """Groups one engine may hold in flight plus buffered: the batch being taken and the batches
+    ahead, plus replacements for dropped groups (a bound, not a target)."""
+    depth = pipeline_depth(cfg.trainer.rollout_mode, cfg.trainer.max_staleness)
+    return (depth + 2) * cfg.data.prompts_per_step
 
 
 def _submit(run: Run, rollout: AsyncRollout, stream: PromptStream, count: int) -> None:
@@ -181,7 +187,6 @@ def train_steps_async(run: Run, store: CheckpointStore, logger: MetricsLogger, s
                 metrics.update(phases.update_critic(run, batch))
         with timer.phase("actor_update"):
             metrics.update(phases.update_actor(run, batch))
-        metrics.update(logprob_diff_by_lag(batch, run.weight_version))
         if trainer.rollout_mode == "one_step_off":
             with timer.phase("generate_tail"):  # the next batch finishes on the old weights
                 rollout.wait_idle(timeout_s=ROLLOUT_TIMEOUT_S)

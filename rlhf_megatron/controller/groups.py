@@ -78,12 +78,18 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
                 (f"{role}[{rank}]", rank, world, threads))
     tp = cfg.rollout.engine.tensor_parallel_size
     rollout_config = cfg.rollout.engine
+    rollout_class, extra = RolloutWorker, ()
+    if cfg.trainer.rollout_mode != "sync":  # one_step_off / async: AsyncLLM engines
+        from rlhf_megatron.controller.async_loop import buffer_capacity
+        from rlhf_megatron.rollout.async_worker import AsyncRolloutWorker
+
+        rollout_class, extra = AsyncRolloutWorker, (buffer_capacity(cfg),)
     groups["rollout"] = WorkerGroup.create(
-        "rollout", RolloutWorker, pools[plan.role_pool["rollout"]],
+        "rollout", rollout_class, pools[plan.role_pool["rollout"]],
         [engine * tp for engine in range(cfg.rollout.num_engines)],
         lambda rank: (f"rollout[{rank}]", cfg.model.path,
                       replace(rollout_config, seed=rollout_config.seed + rank),
-                      worker_threads(cfg, plan, "rollout")))
+                      worker_threads(cfg, plan, "rollout"), *extra))
     timeout = cfg.ray.startup_timeout_s
     # Rendezvous addresses first (fast), then every setup at once.
     addresses = _rendezvous_addresses(groups, list(specs), timeout)

@@ -42,6 +42,7 @@ from rlhf_megatron.engines.actor import PolicyUpdateSettings
 from rlhf_megatron.rewards import RewardManager
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.metrics import rollout_logprob_diff
+from rlhf_megatron.rollout.async_batch import logprob_diff_by_lag
 
 
 @dataclass
@@ -58,6 +59,9 @@ class Run:
     """Yields (PromptRow, prompt token ids) pairs."""
     val_items: list[tuple[PromptRow, list[int]]]
     weight_version: int = 0
+    stream: Any = None
+    """rollout_mode one_step_off/async: the keyed prompt stream (controller/async_stream.py),
+    saved in checkpoints; None in sync mode."""
 
 
 class _Done:
@@ -172,6 +176,8 @@ def policy_forward_metrics(run: Run, batch: TokenBatch, out: ActorLogProbs) -> d
         metrics["kl"] = float(masked_mean(kl, mask))
     metrics.update(rollout_logprob_diff(batch.rollout_logprobs, out.logprobs, mask))
     metrics["rollout/logprob_diff"] = metrics["rollout/logprob_diff_mean"]
+    # Async modes: the same difference per version lag (batch field token_versions).
+    metrics.update(logprob_diff_by_lag(batch, out.logprobs, run.weight_version))
     return metrics
 
 

@@ -23,6 +23,10 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
     after each step (run.py stops there after a signal: a safe point)."""
     cfg = run.cfg
     trainer = cfg.trainer
+    if trainer.rollout_mode != "sync":
+        from rlhf_megatron.controller.async_loop import train_steps_async
+
+        return train_steps_async(run, store, logger, start_step, on_step_end)
     timer = PhaseTimer()
     if trainer.val_before_train and start_step == 1:
         logger.log(0, phases.validate(run, phases.step_seed(trainer.seed, 0)))
@@ -97,6 +101,8 @@ def save_checkpoint(run: Run, store: CheckpointStore, step: int) -> Path:
         run.groups.critic.save_checkpoint(str(temp / "critic"), step)
     state = {"step": step, "loader": run.loader.state_dict(),
              "kl_coef": run.kl_controller.value, "weight_version": run.weight_version}
+    if run.stream is not None:  # async modes: the prompts not yet trained (async_stream.py)
+        state["async_stream"] = run.stream.state_dict()
     return store.commit(step, temp, state)
 
 
@@ -109,5 +115,10 @@ def restore_checkpoint(run: Run, store: CheckpointStore, path: Path) -> int:
         run.groups.critic.load_checkpoint(str(path / "critic"))
     run.loader.load_state_dict(state["loader"])
     run.kl_controller.value = float(state["kl_coef"])
+    if "async_stream" in state:
+        from rlhf_megatron.controller.async_stream import PromptStream
+
+        run.stream = PromptStream(run.loader)
+        run.stream.load_state_dict(state["async_stream"])
     phases.refit(run, version=int(state["weight_version"]))
     return int(state["step"]) + 1

@@ -88,14 +88,15 @@ def split_by_staleness(groups: Sequence[RolloutGroup], trainer_version: int,
     return StalenessSplit(kept, dropped, metrics)
 
 
-def logprob_diff_by_lag(batch: TokenBatch, trainer_version: int) -> dict[str, float]:
+def logprob_diff_by_lag(batch: TokenBatch, trainer_logprobs: torch.Tensor,
+                        trainer_version: int) -> dict[str, float]:
     """`rollout/logprob_diff_lag<k>`: mean |behaviour - trainer| log-prob over the response
-    tokens sampled k versions behind the trainer (needs batch.old_logprobs)."""
-    old = batch.old_logprobs
+    tokens sampled k versions behind the trainer (`trainer_logprobs` (bs, S): the actor's, at
+    `trainer_version`). Empty for batches without per-token versions (sync mode)."""
     versions = batch.fields.get(TOKEN_VERSIONS)
-    if old is None or versions is None:
+    if versions is None:
         return {}
-    diff = (batch.rollout_logprobs - old).abs()
+    diff = (batch.rollout_logprobs - trainer_logprobs).abs()
     mask = batch.loss_mask.bool()
     lag = trainer_version - versions
     out = {}

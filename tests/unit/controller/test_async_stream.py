@@ -83,6 +83,6 @@ def test_groups_to_batch_aligns_logprobs_and_versions():
     assert batch.fields["token_versions"][2].tolist() == [-1, -1, 1, 1, -1, -1]
     old = batch.rollout_logprobs.clone()
     old[0, 3] += 0.4  # the version-0 token (lag 1 when the trainer is at version 1)
-    diffs = logprob_diff_by_lag(batch.with_fields(old_logprobs=old), trainer_version=1)
+    diffs = logprob_diff_by_lag(batch, old, trainer_version=1)
     assert diffs["rollout/logprob_diff_lag1"] == pytest.approx(0.4)
     assert diffs["rollout/logprob_diff_lag0"] == pytest.approx(0.0)
