@@ -37,6 +37,7 @@ import torch
 from rlhf_megatron.errors import CheckpointError
 
 _USER_SPACE_CHUNK = 16 * 2**20
+_PAGE = 4096
 # copy_file_range refused for these files (another file system, an old kernel): copy via user space.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
@@ -250,6 +251,7 @@ class CopyRegistry:
     def __init__(self, copier: FileCopier) -> None:
         self.copier = copier
         self._pending: dict[int, tuple[torch.Tensor, list[Extent], int]] = {}
+        self._unplaced: int | None = None  # the newest placeholder, before its record starts
 
     def placeholder(self, shape: Sequence[int], dtype: torch.dtype,
                     extents: list[Extent]) -> torch.Tensor:
@@ -257,7 +259,15 @@ class CopyRegistry:
         assert sum(e.nbytes for e in extents) == tensor.nbytes, "extents must cover the tensor"
         if tensor.nbytes:
             self._pending[tensor.data_ptr()] = (tensor, extents, 0)
+            self._unplaced = tensor.data_ptr()
         return tensor
+
+    def take_unplaced(self) -> tuple[torch.Tensor, list[Extent]] | None:
+        """The newest placeholder if nothing of it was written yet (its record is about to
+        start), once; the stream then chooses where the record starts."""
+        key, self._unplaced = self._unplaced, None
+        entry = self._pending.get(key) if key is not None else None
+        return None if entry is None or entry[2] else (entry[0], entry[1])
 
     def claim(self, address: int, nbytes: int) -> list[Extent] | None:
         """The extents for a write of `nbytes` from `address`, if it is (part of) a placeholder."""
@@ -275,6 +285,39 @@ class CopyRegistry:
     def check_done(self) -> None:
         if self._pending:
             raise CheckpointError(f"{len(self._pending)} tensor(s) were not copied by the writer")
+
+
+class _DryRun(io.RawIOBase):
+    """Counts the bytes torch.save writes; notes where the tensor's own bytes would go."""
+
+    def __init__(self, address: int) -> None:
+        self.position, self.data_at, self._address = 0, -1, address
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, buffer: Any) -> int:
+        address, nbytes = _address(buffer)
+        if address == self._address and self.data_at < 0:
+            self.data_at = self.position
+        self.position += nbytes
+        return nbytes
+
+
+def _record_padding(position: int, tensor: torch.Tensor, extents: list[Extent]) -> int:
+    """Zero bytes to put before the next DCP item (a torch.save zip of `tensor`) so that its
+    biggest extent lands at the same offset modulo the page size as its source: the kernel copies
+    page-congruent ranges ~1.5x faster than misaligned ones. Items are read by (offset, length)
+    from the metadata, so bytes between items belong to none. < 4 KiB per item."""
+    source = [e for e in extents if e.path is not None]
+    if not source:
+        return 0
+    biggest = max(source, key=lambda e: e.nbytes)
+    dry = _DryRun(tensor.data_ptr())
+    torch.save(tensor, dry)  # the placeholder's memory is passed on, never read
+    if dry.data_at < 0:
+        return 0
+    return (biggest.src - (position + dry.data_at + biggest.dst)) % _PAGE
 
 
 def _address(buffer: Any) -> tuple[int, int]:
@@ -295,7 +338,16 @@ class _KernelCopyStream(io.RawIOBase):
         return True
 
     def tell(self) -> int:
-        return self._file.tell()
+        """The position, after padding when the next record holds a placeholder (see
+        `_record_padding`): DCP reads the position here as the start of the next item."""
+        position = self._file.tell()
+        unplaced = self._registry.take_unplaced()
+        if unplaced is not None:
+            pad = _record_padding(position, *unplaced)
+            if pad:
+                self._file.write(bytes(pad))
+                position += pad
+        return position
 
     def write(self, buffer: Any) -> int:
         address, nbytes = _address(buffer)

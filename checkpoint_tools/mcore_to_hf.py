@@ -160,15 +160,26 @@ def _hf_extents(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any
         return None
 
 
-def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any]], ctx: Any,
-            shapes: dict[str, torch.Size], dtype: torch.dtype, writer: PlannedSafetensorsWriter,
-            on_tensor: Any) -> FileCopier:
-    """Write every HF tensor in plan order; returns the `FileCopier` (bytes and time of the
-    in-kernel copies)."""
+def _page_hints(copies: list[dict[str, list[Extent]] | None]) -> dict[str, tuple[int, int]]:
+    """HF name -> (offset in the tensor, source offset) of its biggest in-kernel copy."""
+    hints = {}
+    for extents in copies:
+        for name, ranges in (extents or {}).items():
+            source = [e for e in ranges if e.path is not None]
+            if source:
+                biggest = max(source, key=lambda e: e.nbytes)
+                hints[name] = (biggest.dst, biggest.src)
+    return hints
+
+
+def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any]],
+            copies: list[dict[str, list[Extent]] | None], ctx: Any, dtype: torch.dtype,
+            writer: PlannedSafetensorsWriter, on_tensor: Any) -> FileCopier:
+    """Write every HF tensor in plan order: copied in the kernel where `copies` has its byte
+    ranges, read and written otherwise. Returns the `FileCopier` (in-kernel bytes and time)."""
     copier = FileCopier()
     try:
-        for source, resolved in work:
-            extents = _hf_extents(reader, source, resolved, ctx, shapes, dtype)
+        for (source, resolved), extents in zip(work, copies):
             if extents is not None:
                 for name, ranges in extents.items():
                     writer.copy(name, ranges, copier)
@@ -211,12 +222,17 @@ def convert_mcore_to_hf(
     work, planned = _plan(metadata, sources, table, hf_shapes, out_dtype)
     start = time.perf_counter()
     with atomic_output_dir(out, force=force) as tmp:
-        writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes))
+        ctx = ShardContext(shapes)
         with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
             reader = DcpReader(ckpt_dir, dcp_metadata)
             try:
-                copier = _export(reader, work, ShardContext(shapes), hf_shapes, out_dtype,
-                                 writer, lambda: bar.update(1))
+                # Byte ranges first (a few per tensor): they fix each file's header padding.
+                copies = [_hf_extents(reader, source, resolved, ctx, hf_shapes, out_dtype)
+                          for source, resolved in work]
+                writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes),
+                                                  _page_hints(copies))
+                copier = _export(reader, work, copies, ctx, out_dtype, writer,
+                                 lambda: bar.update(1))
             finally:
                 reader.close()
         writer.close()

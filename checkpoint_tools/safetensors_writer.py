@@ -19,6 +19,7 @@ import torch
 from checkpoint_tools.byte_copy import Extent, FileCopier
 
 INDEX_FILE = "model.safetensors.index.json"
+_PAGE = 4096
 
 _DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -58,9 +59,14 @@ class PlannedSafetensorsWriter:
     `write(name, tensor)` must be called in plan order; `close()` checks that all were written.
     """
 
-    def __init__(self, out_dir: Path, files: list[list[PlannedTensor]]) -> None:
+    def __init__(self, out_dir: Path, files: list[list[PlannedTensor]],
+                 page_hints: dict[str, tuple[int, int]] | None = None) -> None:
+        """`page_hints`: tensor name -> (byte offset in the tensor, absolute source offset) of
+        its biggest in-kernel copy; each file's header is padded so that its biggest such
+        tensor's copy is page-congruent with its source (`_data_start`)."""
         self.out_dir = out_dir
         self.files = files
+        self.page_hints = page_hints or {}
         self._queue = [(i, entry) for i, file in enumerate(files) for entry in file]
         self._next = 0
         self._handle: IO[bytes] | None = None
@@ -80,7 +86,7 @@ class PlannedSafetensorsWriter:
                                   "data_offsets": [offset, offset + entry.nbytes]}
             offset += entry.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+        raw += b" " * (self._data_start(index, len(raw)) - 8 - len(raw))
         self._handle = open(self.out_dir / self.file_name(index), "wb")
         self._handle.write(struct.pack("<Q", len(raw)))
         self._handle.write(raw)
@@ -93,6 +99,25 @@ class PlannedSafetensorsWriter:
         if index != self._open_index:
             self._open(index)
         return entry
+
+    def _data_start(self, index: int, header_len: int) -> int:
+        """Where the data section starts: 8-byte aligned (as safetensors writes it) after the
+        header, moved on (trailing spaces in the JSON header, up to 4 KiB) so that the biggest
+        hinted tensor's copy lands at its source's offset modulo the page size, which the
+        kernel copies ~1.5x faster than a misaligned range."""
+        start = 8 + header_len + (-(8 + header_len) % 8)
+        offset, best = 0, None
+        for entry in self.files[index]:
+            hint = self.page_hints.get(entry.name)
+            if hint is not None and (best is None or entry.nbytes > best[0]):
+                best = (entry.nbytes, offset + hint[0], hint[1])
+            offset += entry.nbytes
+        if best is None:
+            return start
+        residue = (best[2] - best[1]) % _PAGE
+        if residue % 8:  # the data section must stay 8-byte aligned
+            return start
+        return start + (residue - start) % _PAGE
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         entry = self._start(name)
