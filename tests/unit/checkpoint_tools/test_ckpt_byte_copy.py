@@ -4,6 +4,7 @@ the DCP writer stream must produce records torch reads back, never leaving a pla
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -112,11 +113,38 @@ def test_kernel_copy_stream_writes_records_torch_reads_and_checks_every_placehol
                          torch.float32)["m"]
     placeholder = registry.placeholder((64, 32), torch.float32, extents)
     with kernel_copy_filesystem(registry).create_stream(tmp_path / "x.distcp", "wb") as stream:
+        stream.write(b"an earlier item")
+        start = stream.tell()  # as DCP asks before each item: padded to place the record
         torch.save(placeholder, stream)
     registry.check_done()
     assert registry.copier.kernel_bytes == placeholder.nbytes
-    assert torch.equal(torch.load(tmp_path / "x.distcp", weights_only=True), source[:])
+    content = (tmp_path / "x.distcp").read_bytes()
+    item = torch.load(io.BytesIO(content[start:]), weights_only=True)
+    assert torch.equal(item, source[:])
+    data_at = content.find(source[:].numpy().tobytes())
+    assert data_at > start and data_at % 4096 == source.data_start % 4096  # page-congruent
 
     registry.placeholder((4,), torch.float32, [Extent(0, 16, None, 0)])
     with pytest.raises(CheckpointError, match="not copied"):
         registry.check_done()  # written by nobody: would be garbage in the file
+
+
+def test_safetensors_header_padding_places_the_hinted_tensor_page_congruent(tmp_path):
+    from safetensors.torch import load_file
+
+    from checkpoint_tools.safetensors_writer import PlannedSafetensorsWriter, PlannedTensor
+    from rlhf_megatron.models.hf_checkpoint import read_safetensors_layout
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"small": torch.randn(3, generator=g), "big": torch.randn(40, 8, generator=g)}
+    plan = [[PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]]
+    # big's copy: from byte 32 of the tensor, source offset 1004 mod 4096 (8-byte compatible)
+    writer = PlannedSafetensorsWriter(tmp_path, plan, {"big": (32, 4096 * 7 + 1004)})
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+    writer.close()
+    path = tmp_path / writer.file_name(0)
+    big_start = read_safetensors_layout(path)["big"][2]
+    assert (big_start + 32) % 4096 == 1004 and big_start % 4 == 0
+    loaded = load_file(str(path))
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
