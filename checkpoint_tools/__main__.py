@@ -25,8 +25,10 @@ EXIT_MISMATCH = 1
 
 def _copied(stats: dict) -> str:
     """' (N MB copied in the kernel in T s)' for the summary line."""
+    group = (f"; process group set up and torn down in {stats['group_seconds']:.3f} s"
+             if "group_seconds" in stats else "")
     return (f" ({stats['kernel_bytes'] / 1e6:.1f} MB copied in the kernel in "
-            f"{stats['copy_seconds']:.3f} s)")
+            f"{stats['copy_seconds']:.3f} s{group})")
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> int:

@@ -86,6 +86,7 @@ def convert_hf_to_mcore(
         # Timed from here: the lines above import transformers' and Megatron's code (a constant).
         start = time.perf_counter()
         with single_rank_group(), atomic_output_dir(out, force=force) as tmp:
+            ready = time.perf_counter()  # the process group and Megatron's layout are up
             args = hf_to_megatron_args(config, spec, ParallelDims(1), params_dtype=DTYPES[dtype])
             # The model is only built on the meta device for its sharded state dict: no init.
             no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
@@ -98,9 +99,12 @@ def convert_hf_to_mcore(
                 vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
                 asset_files=assets,
             ).write(tmp)
+            done = time.perf_counter()
+    end = time.perf_counter()
     return {"hf_tensors": len(tensors), "params": stats.params, "bytes": stats.bytes_loaded,
-            "seconds": time.perf_counter() - start, "dtype": dtype,
-            "kernel_bytes": copier.kernel_bytes, "copy_seconds": copier.seconds}
+            "seconds": end - start, "dtype": dtype,
+            "kernel_bytes": copier.kernel_bytes, "copy_seconds": copier.seconds,
+            "group_seconds": (ready - start) + (end - done)}
 
 
 def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
