@@ -125,24 +125,25 @@ def _top_up(run: Run, rollout: AsyncRollout, stream: PromptStream, target: int) 
     _submit(run, rollout, stream, target - rollout.outstanding())
 
 
-def _collect(run: Run, rollout: AsyncRollout, stream: PromptStream,
-             trainer_version: int) -> tuple[list[RolloutGroup], dict[str, float]]:
-    """prompts_per_step fresh-enough groups; stale ones are dropped, counted, and replaced."""
+def _collect(run: Run, rollout: AsyncRollout, stream: PromptStream, trainer_version: int
+             ) -> tuple[list[RolloutGroup], list[int], dict[str, float]]:
+    """prompts_per_step fresh-enough groups, the keys of the stale ones dropped (and replaced),
+    and the staleness metrics."""
     trainer = run.cfg.trainer
     pps = run.cfg.data.prompts_per_step
     kept: list[RolloutGroup] = []
-    dropped = 0
+    dropped: list[int] = []
     metrics: dict[str, float] = {}
     while len(kept) < pps:
         groups = rollout.take(pps - len(kept), timeout_s=ROLLOUT_TIMEOUT_S)
         split = split_by_staleness(groups, trainer_version, trainer.max_staleness)
         stream.trained([g.key for g in split.dropped])
         kept += split.kept
-        dropped += len(split.dropped)
+        dropped += [g.key for g in split.dropped]
         metrics = metrics or split.metrics  # the histogram of the first (full) take
         _submit(run, rollout, stream, len(split.dropped))
-    metrics["async/dropped_groups"] = float(dropped)
-    return kept, metrics
+    metrics["async/dropped_groups"] = float(len(dropped))
+    return kept, dropped, metrics
 
 
 def train_steps_async(run: Run, store: CheckpointStore, logger: MetricsLogger, start_step: int,
@@ -166,7 +167,7 @@ def train_steps_async(run: Run, store: CheckpointStore, logger: MetricsLogger, s
         timer.reset()
         metrics: dict[str, float] = {}
         with timer.phase("generate"):  # waiting for the batch (generated while the last trained)
-            groups, m = _collect(run, rollout, stream, run.weight_version)
+            groups, dropped, m = _collect(run, rollout, stream, run.weight_version)
             metrics.update(m)
             _top_up(run, rollout, stream, depth * pps)
         dropped_total += metrics["async/dropped_groups"]
@@ -193,6 +194,7 @@ def train_steps_async(run: Run, store: CheckpointStore, logger: MetricsLogger, s
         with timer.phase("refit"):
             metrics.update(phases.refit(run, version=step))
         stream.trained([g.key for g in groups])
+        _log_prompts(run, step, [g.key for g in groups], dropped)
         if trainer.val_every and step % trainer.val_every == 0:
             with timer.phase("validate"):
                 metrics.update(phases.validate(run, phases.step_seed(trainer.seed, 0)))
@@ -206,6 +208,16 @@ def train_steps_async(run: Run, store: CheckpointStore, logger: MetricsLogger, s
             saved = save_checkpoint(run, store, step)
         if on_step_end is not None and not last:
             on_step_end(step, saved)
+
+
+def _log_prompts(run: Run, step: int, keys: list[int], dropped: list[int]) -> None:
+    """<run_dir>/async_prompts.jsonl: the prompt keys each step trained and dropped (a resumed
+    run appends the steps it re-runs; the last line of a step is the one that counted)."""
+    import json
+
+    path = Path(run.cfg.trainer.run_dir) / "async_prompts.jsonl"
+    with path.open("a") as out:
+        out.write(json.dumps({"step": step, "keys": sorted(keys), "dropped": dropped}) + "\n")
 
 
 def _batch_metrics(batch: Any, groups: list[RolloutGroup]) -> dict[str, float]:

@@ -183,8 +183,9 @@ class AsyncRolloutEngine:
         try:
             samples = await self._generate_group(prompt, sampling, seed, key)
         except BaseException as exc:  # an engine that dies must end the run, not hang it
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             with self._cond:
-                self._error = f"rollout engine failed: {type(exc).__name__}: {exc}"
+                self._error = f"rollout engine failed: {type(exc).__name__}: {first}"
                 self._cond.notify_all()
             return
         with self._cond:

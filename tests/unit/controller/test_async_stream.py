@@ -86,3 +86,23 @@ def test_groups_to_batch_aligns_logprobs_and_versions():
     diffs = logprob_diff_by_lag(batch, old, trainer_version=1)
     assert diffs["rollout/logprob_diff_lag1"] == pytest.approx(0.4)
     assert diffs["rollout/logprob_diff_lag0"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"rollout_mode": "fully_async"}, "trainer.rollout_mode='fully_async': expected one of sync"),
+    ({"rollout_mode": "async", "max_staleness": 0}, "trainer.max_staleness=0 must be"),
+    ({"rollout_mode": "one_step_off"}, "needs resources.mode=split"),
+])
+def test_rollout_mode_config_errors_are_one_line(changes: dict, needle: str) -> None:
+    from rlhf_megatron.config import TrainConfig
+    from rlhf_megatron.config.validate import _check_rollout_mode
+
+    cfg = TrainConfig()
+    for key, value in changes.items():
+        setattr(cfg.trainer, key, value)
+    with pytest.raises(ConfigError) as err:
+        _check_rollout_mode(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    cfg.resources.mode = "split"
+    cfg.trainer.rollout_mode, cfg.trainer.max_staleness = "async", 2
+    _check_rollout_mode(cfg)  # a good one passes

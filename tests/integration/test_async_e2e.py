@@ -1,0 +1,155 @@
+"""trainer.rollout_mode one_step_off and async through the real CLI, on split pools (one core for
+vLLM, one for the actor at TP=1), on the quickstart task:
+
+- one_step_off learns: mean reward of the last 10 steps >= 0.3 above the first 10;
+- async with max_staleness=1 learns too, through a kill -9 and a resume: the resumed run trains
+  every prompt exactly once (no prompt lost or repeated, from async_prompts.jsonl), and every
+  trained group is at most 1 version stale;
+- a dead rollout engine (vLLM's engine process killed) ends an async run within 60 s with a
+  one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from controller_harness import (
+    RayHead,
+    kill_hard,
+    last_line,
+    read_metrics,
+    run_train,
+    small_run_overrides,
+    start_train,
+    wait_until,
+)
+
+from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.quickstart import prepare
+
+STEPS = 60
+WINDOW = 10
+MARGIN = 0.3
+PROMPTS = 16
+SPLIT = {"resources.mode": "split", "resources.devices_per_node": 2,
+         "resources.actor_devices": 1, "resources.rollout_devices": 1, "actor.layout.tp": 1}
+
+
+def _overrides(assets: Path, run_dir: Path, mode: str, **extra: object) -> list[str]:
+    return small_run_overrides(assets, run_dir, **{
+        "data.prompts_per_step": PROMPTS, "rollout.sampling.n": 16,
+        "actor.engine.micro_batch_size": 256, "actor.engine.optimizer.lr": 0.003,
+        "trainer.total_steps": STEPS, "trainer.val_every": 0, "trainer.seed": 1,
+        "trainer.rollout_mode": mode, **SPLIT, **extra})
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare(tmp_path_factory.mktemp("quickstart_assets"))
+
+
+@pytest.fixture(scope="module")
+def head():
+    cluster = RayHead(num_cpus=4)
+    yield cluster
+    cluster.stop()
+
+
+def _learned(records: list[dict]) -> tuple[float, float]:
+    rewards = [r["reward/mean"] for r in records]
+    return sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
+
+
+def test_one_step_off_learns(assets: Path, tmp_path: Path, head: RayHead) -> None:
+    run_dir = tmp_path / "one_step_off"
+    result = run_train(_overrides(assets, run_dir, "one_step_off"), timeout=900, head=head)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    first, last = _learned(records)
+    assert last - first >= MARGIN, (first, last)
+    # One version behind after the first step, never a token of two versions (no partial).
+    assert all(r["async/staleness_1"] == 1.0 for r in records[1:])
+    assert all(r["async/partial_frac"] == 0.0 for r in records)
+
+
+def _trained_keys(run_dir: Path) -> dict[int, list[int]]:
+    """step -> keys trained, the last record of each step (a resumed run re-runs some)."""
+    steps: dict[int, list[int]] = {}
+    for line in (run_dir / "async_prompts.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record["keys"] + record["dropped"]
+    return steps
+
+
+def test_async_learns_across_kill_and_resume(assets: Path, tmp_path: Path,
+                                             head: RayHead) -> None:
+    run_dir = tmp_path / "async"
+    args = _overrides(assets, run_dir, "async", **{"trainer.max_staleness": 1,
+                                                    "trainer.save_every": 10})
+    process = start_train(args, tmp_path / "killed.log")  # its own Ray cluster: killed with it
+    store = CheckpointStore(run_dir / "checkpoints")
+    wait_until(lambda: len(read_metrics(run_dir)) >= 25, process, timeout=600)
+    kill_hard(process)
+    saved = store.load_controller_state(store.latest())
+    assert saved["step"] >= 20 and saved["async_stream"]["pending"], saved
+    result = run_train([*args, "trainer.resume=auto"], timeout=900, head=head)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {saved['step'] + 1}" in result.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    steps = _trained_keys(run_dir)
+    keys = [k for step in range(1, STEPS + 1) for k in steps[step]]
+    assert len(keys) == len(set(keys)) == STEPS * PROMPTS  # none repeated
+    assert sorted(keys) == list(range(STEPS * PROMPTS))  # none lost
+    first, last = _learned(records)
+    assert last - first >= MARGIN, (first, last)
+    assert all(r["async/dropped_groups"] == 0.0 for r in records)
+    assert all(max(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("async/staleness_")
+                   and k != "async/staleness_mean") <= 1 for r in records)
+
+
+def _engine_pids(root: int) -> list[int]:
+    """vLLM engine processes (children of an AsyncRolloutWorker) under process `root`."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    parent, args = {}, {}
+    for line in out.splitlines()[1:]:
+        fields = line.split(None, 2)
+        parent[int(fields[0])] = int(fields[1])
+        args[int(fields[0])] = fields[2] if len(fields) == 3 else ""
+
+    def under_root(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 1)
+        return False
+
+    workers = {p for p, a in args.items() if "ray::AsyncRolloutWorker" in a and under_root(p)}
+    return [p for p in args if parent.get(p) in workers and "EngineCore" in args[p]]
+
+
+def test_dead_rollout_engine_ends_an_async_run(assets: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "engine_death"
+    process = start_train(_overrides(assets, run_dir, "async", **{"trainer.total_steps": 500}),
+                          tmp_path / "engine_death.log")
+    try:
+        wait_until(lambda: len(read_metrics(run_dir)) >= 2, process, timeout=240)
+        pids = _engine_pids(process.pid)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        process.wait(timeout=90)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode not in (0, None)
+    line = last_line((tmp_path / "engine_death.log").read_text())
+    assert line.startswith("rlhf-megatron: error: rollout[0]") and "rollout engine" in line, line
