@@ -119,6 +119,7 @@ def actor_death_reason(exc: BaseException) -> str:
              and not line.startswith(("File ", "ray::", "Traceback"))]
     reason = errors[-1] if errors else (plain[0] if plain else (lines[0] if lines else
                                                                  "the actor died"))
+    reason = reason.split(" Some common causes include")[0]  # Ray's generic advice
     pid = re.search(r"\bpid[:=] ?(\d+)", text)
     ip = re.search(r"\bip[:=] ?([\d.]+)", text)
     where = _worker_log(int(pid.group(1))) if pid else None

@@ -134,8 +134,13 @@ def _worker_pids(kind: str, root: int) -> list[int]:
     return [pid for pid, text in args.items() if f"ray::{kind}" in text and under_root(pid)]
 
 
+def _refit_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("rlhf_megatron_refit_*")}
+
+
 def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "worker_death"
+    segments = _refit_segments()
     process = start_train(small_run_overrides(assets, run_dir, **{"trainer.total_steps": 500}),
                           tmp_path / "worker_death.log")
     try:
@@ -152,6 +157,8 @@ def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> N
     assert process.returncode not in (0, None)
     line = last_line((tmp_path / "worker_death.log").read_text())
     assert line.startswith("rlhf-megatron: error: worker actor[") and "died" in line, line
+    # ray.kill skips the workers' finalizers: the driver unlinks the segments they made.
+    assert _refit_segments() <= segments, "refit segments left in /dev/shm after a worker death"
 
 
 # ---------------------------------------------------------------------------- bad inputs

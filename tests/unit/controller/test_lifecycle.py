@@ -41,10 +41,11 @@ def test_system_death_skips_ray_boilerplate():
     text = ("The actor died unexpectedly before finishing this task.\n\tclass_name: MegatronWorker"
             "\n\tactor_id: 12ab\n\tpid: 999999\n\tname: actor[1]\n\tip: 127.0.0.1\n"
             "The actor is dead because its worker process has died. Worker exit type: "
-            "SYSTEM_ERROR Worker exit detail: killed by the OOM killer")
+            "SYSTEM_ERROR Worker exit detail: killed by the OOM killer. Some common causes include: "
+            "(1) the process was killed by the OOM killer due to high memory usage")
     reason = actor_death_reason(_FakeActorError(text))
     assert reason.startswith("The actor is dead because its worker process has died"), reason
-    assert "OOM killer" in reason and "999999" in reason
+    assert "OOM killer" in reason and "999999" in reason and "common causes" not in reason
 
 
 def test_segments_of_killed_and_vanished_processes_are_unlinked(tmp_path):
