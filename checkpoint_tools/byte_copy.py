@@ -119,7 +119,12 @@ def trace_rows(layouts: dict[str, RowLayout],
         tracers[role] = _RowTracer(layout.shape, base)
         owners.append((base, layout))
         base += int(layout.shape[0]) + 1  # a gap: no run of ids crosses two sources
-    outputs = mapping(tracers)
+    try:
+        outputs = mapping(tracers)
+    except NotRows:
+        raise
+    except Exception as exc:  # a mapping that needs more than rows (dtype, values): not ours
+        raise NotRows(f"the mapping did not run on row ids: {type(exc).__name__}: {exc}") from None
     extents = {}
     for name, ids in outputs.items():
         shape = tuple(out_shapes[name])
