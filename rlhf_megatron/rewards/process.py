@@ -27,7 +27,23 @@ from typing import Any, BinaryIO
 from rlhf_megatron.rewards.errors import RewardError
 
 _HEADER = struct.Struct(">Q")
-_CHILD = "import sys; from rlhf_megatron.rewards.process import main; main(sys.argv[1])"
+# The child starts without the package's __init__ (which imports torch, ~4 s): a stand-in
+# package runs the real __init__ only if the user's code asks it for a name.
+_CHILD = """
+import pathlib, sys, types
+import rlhf_megatron
+init = pathlib.Path(rlhf_megatron.__file__).parent / "rewards" / "__init__.py"
+package = types.ModuleType("rlhf_megatron.rewards")
+package.__path__, package.__file__ = [str(init.parent)], str(init)
+def _load_all(name):
+    exec(compile(init.read_text(), str(init), "exec"), package.__dict__)
+    del package.__dict__["__getattr__"]
+    return getattr(package, name)
+package.__getattr__ = _load_all
+sys.modules["rlhf_megatron.rewards"] = package
+from rlhf_megatron.rewards.process import main
+main(sys.argv[1])
+"""
 LOAD_TIMEOUT_S = 300.0
 """How long the child may take to start and import the reward file (not counted in timeout_s)."""
 

@@ -73,3 +73,14 @@ def test_zero_on_timeout_counts_and_close_never_waits(reward_file, capsys):
 def test_bad_timeout_settings(field, value):
     with pytest.raises(RewardError, match=f"reward.{field}"):
         RewardConfig(**{field: value}).validate()
+
+
+def test_child_starts_without_torch_yet_serves_the_package(tmp_path):
+    """The reward process skips the package __init__ (torch) unless the user's code needs it."""
+    light, heavy = tmp_path / "light.py", tmp_path / "heavy.py"
+    light.write_text("import sys\ndef f(r, a, **k):\n    return [float('torch' in sys.modules)]\n")
+    heavy.write_text("from rlhf_megatron.rewards import extract_last_number\n"
+                     "def f(r, a, **k):\n    return [float(extract_last_number(r[0]) == '3')]\n")
+    for path, expected in ((light, 0.0), (heavy, 1.0)):
+        with RewardManager(RewardConfig(custom_function=f"{path}:f", timeout_s=60)) as manager:
+            assert manager.compute(["so it is 3"], ["3"]).tolist() == [expected]
