@@ -1,13 +1,14 @@
 """Converter benchmark: a generated fp32 Llama-shaped checkpoint (random init; ~0.9 GB with the
 default 2 layers), both ways, against `shutil.copytree` of the same checkpoint.
 
-    .venv/bin/python benchmarks/convert_bench.py [--layers 2] [--repeat 2] [--direct-load]
+    .venv/bin/python benchmarks/convert_bench.py [--layers 2] [--repeat 3] [--direct-load]
         [--workdir /tmp/convert_bench]
 
 Prints, for hf-to-mcore and mcore-to-hf (dtype kept: the in-kernel copy path): time after imports
-(best of --repeat runs, each in its own process), GB/s, the ratio to `shutil.copytree` of that
-direction's source directory (in-kernel, page cache warm as for the conversions) and to a read +
-write of the same files through user space, the phase breakdown (in-kernel copies vs everything
+(each run in its own process), GB/s, the ratio to `shutil.copytree` of that direction's source
+directory (in-kernel, page cache warm as for the conversions; timed in pairs with the conversion,
+each after `sync`, the median pair shown) and to a read + write of the same files through user
+space, the phase breakdown (in-kernel copies vs everything
 else: process group, plan, metadata, assets), peak RSS and peak RSS over the largest single tensor
 (raw, and above the same phase run on a 1 MB model, i.e. without the constant cost of imports and
 runtime). `--direct-load` adds the load of the HF files into TP=2 shards (2 ranks).
@@ -83,25 +84,32 @@ def _run(args: list[str]) -> tuple[float, float, float, float, float]:
             float(group.group(1)) if group else 0.0)
 
 
-def _best(args: list[str], out: Path, repeat: int) -> tuple[float, float, float, float, float]:
-    """`_run` `repeat` times (the output removed in between); the run with the least time."""
-    runs = []
+def _paired(args: list[str], out: Path, source: Path, repeat: int) -> tuple[tuple, float]:
+    """`repeat` pairs of (`shutil.copytree` of `source`, the conversion `args`), each timed
+    right after `sync` with its output removed, so both meet the same page-cache and writeback
+    state (on this VM, dirty pages left by earlier runs slow whichever runs next). Returns the
+    conversion run and the copytree seconds of the pair with the median ratio."""
+    pairs = []
     for _ in range(repeat):
+        copy_s = _copytree_seconds(source, out.parent / "copy")
         shutil.rmtree(out, ignore_errors=True)
-        runs.append(_run(args))
-    return min(runs, key=lambda run: run[1])
+        os.sync()
+        run = _run(args)
+        pairs.append((copy_s / run[1], run, copy_s))
+    pairs.sort(key=lambda pair: pair[0])
+    _, run, copy_s = pairs[len(pairs) // 2]
+    return run, copy_s
 
 
-def _copytree_seconds(src: Path, dst: Path, repeat: int) -> float:
-    """Best time of `shutil.copytree(src, dst)` (in-kernel: sendfile / copy_file_range)."""
-    best = float("inf")
-    for _ in range(repeat):
-        shutil.rmtree(dst, ignore_errors=True)
-        start = time.perf_counter()
-        shutil.copytree(src, dst)
-        best = min(best, time.perf_counter() - start)
+def _copytree_seconds(src: Path, dst: Path) -> float:
+    """Time of `shutil.copytree(src, dst)` (in-kernel: sendfile), after `sync`."""
+    shutil.rmtree(dst, ignore_errors=True)
+    os.sync()
+    start = time.perf_counter()
+    shutil.copytree(src, dst)
+    seconds = time.perf_counter() - start
     shutil.rmtree(dst)
-    return best
+    return seconds
 
 
 def _userspace_copy(src: Path, dst: Path) -> float:
@@ -138,24 +146,24 @@ def _direct_load_rank(hf_dir: str) -> tuple[float, float]:
 
 
 def _phases(work: Path, hf_dir: Path, repeat: int,
-            direct_load: bool) -> dict[str, tuple[float, float, float, float, float]]:
-    """name -> (wall s, conversion s, in-kernel copy s, peak RSS MB, process group s) for each
-    phase on `hf_dir`."""
+            direct_load: bool) -> dict[str, tuple[tuple, float]]:
+    """name -> ((wall s, conversion s, in-kernel copy s, peak RSS MB, process group s), the
+    paired copytree s) for each phase on `hf_dir`."""
     ckpt, out, cli = work / f"{hf_dir.name}_ckpt", work / f"{hf_dir.name}_out", ["-m", "checkpoint_tools"]
     phases = {
-        "hf-to-mcore": _best([*cli, "hf-to-mcore", "--hf", str(hf_dir), "--out", str(ckpt),
-                              "--quiet"], ckpt, repeat),
-        "mcore-to-hf": _best([*cli, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
-                              "--quiet", "--max-shard-size", "500MB"], out, repeat),
+        "hf-to-mcore": _paired([*cli, "hf-to-mcore", "--hf", str(hf_dir), "--out", str(ckpt),
+                                "--quiet"], ckpt, hf_dir, repeat),
     }
+    phases["mcore-to-hf"] = _paired([*cli, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
+                                     "--quiet", "--max-shard-size", "500MB"], out, ckpt, repeat)
     if direct_load:
         from rlhf_megatron.testing.multirank import run_on_ranks
 
         start = time.perf_counter()
         ranks = run_on_ranks(_direct_load_rank, 2, (str(hf_dir),), timeout_s=1800)
         wall = time.perf_counter() - start
-        phases["direct load, tp=2 (per rank)"] = (wall, max(r[0] for r in ranks), 0.0,
-                                                 max(r[1] for r in ranks), 0.0)
+        phases["direct load, tp=2 (per rank)"] = ((wall, max(r[0] for r in ranks), 0.0,
+                                                  max(r[1] for r in ranks), 0.0), 0.0)
     return phases
 
 
@@ -179,7 +187,8 @@ def _report(name: str, phase: tuple[float, float, float, float, float], total: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=2, help="runs per phase; the best counts")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="(copytree, conversion) pairs per direction; the median counts")
     parser.add_argument("--direct-load", action="store_true", help="also load into TP=2 shards")
     parser.add_argument("--workdir", default="/tmp/convert_bench")
     parser.add_argument("--smoke", action="store_true", help="a 1 MB model: checks the script")
@@ -190,23 +199,20 @@ def main() -> None:
     total, largest = generate(work / "hf", opts.layers, TINY if opts.smoke else BIG)
     generate(work / "tiny", 1, TINY)
     print(f"model: {total / GB:.2f} GB fp32 ({opts.layers} layers), largest tensor "
-          f"{largest / 1e6:.0f} MB; best of {opts.repeat} runs per phase")
-    copy_hf = _copytree_seconds(work / "hf", work / "copy", opts.repeat)
+          f"{largest / 1e6:.0f} MB; {opts.repeat} (copytree, conversion) pairs per direction, "
+          "each after sync; the pair with the median ratio is shown")
     user_hf = _userspace_copy(work / "hf", work / "copy")
     shutil.rmtree(work / "copy")
-    print(f"shutil.copytree of the HF dir: {copy_hf:.3f} s = {total / GB / copy_hf:.2f} GB/s; "
-          f"read + write through user space: {user_hf:.3f} s ({copy_hf / user_hf:.2f}x copytree)")
     baseline = _phases(work, work / "tiny", 1, opts.direct_load)
     phases = _phases(work, work / "hf", opts.repeat, opts.direct_load)
-    copy_ckpt = _copytree_seconds(work / "hf_ckpt", work / "copy", opts.repeat)
     user_ckpt = _userspace_copy(work / "hf_ckpt", work / "copy")
     shutil.rmtree(work / "copy")
-    print(f"shutil.copytree of the Megatron checkpoint: {copy_ckpt:.3f} s; user space "
+    print(f"read + write through user space: HF dir {user_hf:.3f} s, Megatron checkpoint "
           f"{user_ckpt:.3f} s")
-    sources = {"hf-to-mcore": (copy_hf, user_hf), "mcore-to-hf": (copy_ckpt, user_ckpt)}
-    for name, phase in phases.items():
-        copy_s, user_s = sources.get(name, (copy_hf, user_hf))
-        _report(name, phase, total, largest, copy_s, user_s, baseline[name][3])
+    users = {"hf-to-mcore": user_hf, "mcore-to-hf": user_ckpt}
+    for name, (phase, copy_s) in phases.items():
+        _report(name, phase, total, largest, copy_s, users.get(name, user_hf),
+                baseline[name][0][3])
     shutil.rmtree(work, ignore_errors=True)
 
 
