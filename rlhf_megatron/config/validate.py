@@ -25,8 +25,8 @@ from rlhf_megatron.algorithms import (
 from rlhf_megatron.config.roles import device_needs, megatron_roles  # noqa: F401
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
-from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 
 ALGORITHMS = ("grpo", "ppo")
 KL_MODES = ("loss", "reward", "none")

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.engines.actor import token_values_from_logits
 from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
-from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.offline.losses import dpo_loss, kto_loss, sft_token_loss_sum
 
 

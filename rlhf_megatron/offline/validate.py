@@ -11,6 +11,8 @@ from rlhf_megatron.config.validate import (
     _check_paths,
     _check_trainer,
     _wrap,
+    check_finite,
+    check_layout_values,
     model_hf_config,
 )
 from rlhf_megatron.errors import ConfigError, LayoutError
@@ -24,6 +26,8 @@ def validate_offline_config(cfg: TrainConfig, *, check_paths: bool = True) -> De
     """Check an offline config; return its device plan (the actor's devices only)."""
     _check_settings(cfg)
     _check_trainer(cfg)
+    check_finite(cfg)
+    check_layout_values(cfg)
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         raise ConfigError(f"trainer.val_every: algorithm.name={cfg.algorithm.name!r} has no "
                           "validation pass; set trainer.val_every=0")
