@@ -14,6 +14,7 @@ Families, each with one signature and a registry (``REGISTRY.get(name)``; an unk
     seq-mean-token-mean, seq-mean-token-sum-norm, normalised by the *global* batch.
   * rollout correction (``rollout_correction.py``): token/sequence TIS, MIS, icepop token
     masking, geometric-mean sequence rejection (``compute_rollout_correction``), with metrics.
+  * DAPO (``dapo.py``): dynamic-sampling group filter and overlong reward shaping.
 Plus the clipped value loss, entropy from logits and masked statistics.
 
 Shapes: ``(bs, T)`` per token (T = padded response length), ``(bs,)`` per sequence.
@@ -37,6 +38,13 @@ from rlhf_megatron.algorithms.aggregation import (
     LossNormalizer,
     aggregate_loss,
     compute_loss_normalizer,
+)
+from rlhf_megatron.algorithms.dapo import (
+    DynamicSamplingConfig,
+    OverlongShapingConfig,
+    informative_groups,
+    overlong_penalty,
+    shape_overlong,
 )
 from rlhf_megatron.algorithms.entropy import entropy_from_logits
 from rlhf_megatron.algorithms.errors import (
@@ -90,6 +98,7 @@ __all__ = [
     "AdvantageInputs",
     "AlgorithmError",
     "DuplicateNameError",
+    "DynamicSamplingConfig",
     "FixedKLController",
     "InsufficientDataError",
     "InvalidConfigError",
@@ -100,6 +109,7 @@ __all__ = [
     "LossNormalizer",
     "MissingInputError",
     "NonFiniteInputError",
+    "OverlongShapingConfig",
     "PolicyLossConfig",
     "PolicyLossFn",
     "PolicyLossInputs",
@@ -121,8 +131,11 @@ __all__ = [
     "compute_value_loss",
     "entropy_from_logits",
     "group_ids_from_uids",
+    "informative_groups",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
+    "shape_overlong",
 ]

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf_megatron.algorithms import AdvantageConfig, PolicyLossConfig, RolloutCorrectionConfig
+from rlhf_megatron.algorithms import (
+    AdvantageConfig,
+    DynamicSamplingConfig,
+    OverlongShapingConfig,
+    PolicyLossConfig,
+    RolloutCorrectionConfig,
+)
 from rlhf_megatron.engines.config import EngineConfig
 from rlhf_megatron.offline.config import OfflineSettings
 from rlhf_megatron.parallel.dims import ParallelDims
@@ -90,6 +96,10 @@ class AlgorithmSection:
     """Loss aggregation over the global batch (AGGREGATION_MODES)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """IS weights / rejection for the vLLM-vs-trainer mismatch (off by default; ALGORITHMS.md)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO: drop groups with all-equal rewards, generate more until the batch is full."""
+    overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
+    """DAPO: soft penalty over the last `buffer` tokens before the maximum length (0: off)."""
     entropy_coeff: float = 0.0
     kl_mode: str = "loss"
     """'loss' (KL term in the actor loss), 'reward' (per-token KL penalty in the reward) or

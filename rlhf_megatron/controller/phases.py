@@ -32,6 +32,7 @@ from rlhf_megatron.algorithms import (
     compute_advantages,
     compute_kl,
     masked_mean,
+    shape_overlong,
 )
 from rlhf_megatron.config import TrainConfig
 from rlhf_megatron.controller.facades import ActorLogProbs
@@ -189,10 +190,12 @@ def compute_advantages_phase(run: Run, batch: TokenBatch,
     mask = batch.loss_mask.float()
     last = batch.lengths() - 1
     token_scores = torch.zeros_like(mask)
-    token_scores[torch.arange(len(batch)), last] = scores.float()
+    shaped, shaping = shape_overlong(scores, batch.loss_mask.sum(-1), cfg.overlong_shaping,
+                                     run.cfg.rollout.sampling.max_tokens)  # DAPO; off: as is
+    token_scores[torch.arange(len(batch)), last] = shaped.float()
     metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if
                len(scores) > 1 else 0.0, "reward/max": float(scores.max()),
-               "reward/min": float(scores.min())}
+               "reward/min": float(scores.min()), **shaping}
     rewards = token_scores
     if cfg.kl_mode == "reward":
         penalty = apply_kl_penalty(token_scores, batch.old_logprobs, batch.ref_logprobs, mask,

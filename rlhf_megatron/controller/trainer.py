@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhf_megatron.controller import phases
+from rlhf_megatron.controller import dynamic_sampling, phases
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 from rlhf_megatron.controller.metrics import MetricsLogger, PhaseTimer
 from rlhf_megatron.controller.phases import Run
@@ -37,12 +37,16 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
         seed = phases.step_seed(trainer.seed, step)
 
         with timer.phase("generate"):
-            rows, prompts = phases.next_prompts(run)
-            metrics.update(phases.before_generate(run))
-            batch, m = phases.generate(run, prompts, cfg.rollout.sampling, seed)
-            metrics.update(phases.after_generate(run))
+            if cfg.algorithm.dynamic_sampling.enabled:  # DAPO: rounds until the batch is full
+                batch, scores, m = dynamic_sampling.generate_full_batch(run, seed)
+            else:
+                rows, prompts = phases.next_prompts(run)
+                metrics.update(phases.before_generate(run))
+                batch, m = phases.generate(run, prompts, cfg.rollout.sampling, seed)
+                metrics.update(phases.after_generate(run))
             metrics.update(m)
-        scores = phases.score_async(run, batch, rows)
+        if not cfg.algorithm.dynamic_sampling.enabled:
+            scores = phases.score_async(run, batch, rows)
 
         with timer.phase("logprobs"):
             batch, m = phases.compute_logprobs_and_values(run, batch)
