@@ -46,6 +46,10 @@ CHECKS = (
               "CUDA IPC transport between two processes: bit-equal buckets, GB/s vs a copy"),
     CheckSpec("refit_hf", "transfer:check_refit_hf", False, 150, 120,
               "refit into an HF stand-in in another process: every weight bitwise equal, GB/s"),
+    CheckSpec("context_parallel", "context_parallel:check_context_parallel", True, 240, 120,
+              "CP2 vs CP1 on 2 GPUs (TE attention, p2p and all_gather, bf16; without TE the "
+              "SDPA all-gather-KV path, fp32): log-probs/entropy dense and packed, one update; "
+              "skipped below 2 GPUs"),
 )
 
 __all__ = ["CHECKS", "CheckSpec"]

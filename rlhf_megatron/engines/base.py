@@ -98,6 +98,7 @@ class MegatronEngine:
             self.hf_config, spec, dims, params_dtype=config.params_dtype,
             max_sequence_length=config.max_sequence_length,
             recompute_activations=config.recompute_activations,
+            cp_comm_type=config.cp_comm_type,
         )
         self.vocab_size = self.args.vocab_size
         # 2. Build this rank's chunks and fill them from the HF checkpoint.
@@ -482,9 +483,9 @@ def _thd_params(packed: PackedRows, device: torch.device, *, cp: bool = False) -
     padded = packed.cu_seqlens_padded.to(device)
     longest = int(packed.padded_lengths.max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
-                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
 
 def unwrap(chunk: Any) -> Any:
     """The GPTModel inside DDP / Float16Module wrappers."""

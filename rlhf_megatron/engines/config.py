@@ -65,6 +65,10 @@ def distributed_optimizer_enabled(settings: OptimizerSettings, platform: Any) ->
     )
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""Megatron's TransformerConfig.cp_comm_type values (TE attention)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     micro_batch_size: int = 1
@@ -81,6 +85,10 @@ class EngineConfig:
     """Longest prompt+response; defaults to the model's max_position_embeddings."""
     seed: int = 1234
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    cp_comm_type: str = "p2p"
+    """Context parallelism through TE attention: 'p2p' (K/V ring, overlapped), 'all_gather',
+    'a2a' (Ulysses: heads / tp must divide by cp) or 'a2a+p2p'. Without TE the SDPA attention
+    always all-gathers K/V (models/sdpa_cp.py)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -95,4 +103,7 @@ class EngineConfig:
             raise ConfigError(
                 f"engine.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 1"
             )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(f"engine.cp_comm_type={self.cp_comm_type!r}: expected one of "
+                              f"{list(CP_COMM_TYPES)}")
         self.optimizer.validate()

@@ -159,8 +159,12 @@ def hf_to_megatron_args(
     recompute_activations: bool = False,
     vocab_divisor: int = DEFAULT_VOCAB_DIVISOR,
     platform: Platform | None = None,
+    cp_comm_type: str = "p2p",
 ) -> MegatronModelArgs:
-    """Translate an HF decoder config into Megatron's config for layout `dims`."""
+    """Translate an HF decoder config into Megatron's config for layout `dims`.
+
+    cp_comm_type: how TE attention exchanges K/V when dims.cp > 1 (EngineConfig.cp_comm_type).
+    """
     from megatron.core.transformer import TransformerConfig
 
     from rlhf_megatron.platform import transformer_engine_available
@@ -204,6 +208,7 @@ def hf_to_megatron_args(
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.pp > 1 else None,
         context_parallel_size=dims.cp,
+        cp_comm_type=cp_comm_type if dims.cp > 1 else None,
         expert_model_parallel_size=dims.ep,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

@@ -129,6 +129,12 @@ def check_context_parallel(cfg: TrainConfig, role: MegatronRole,
         findings.append(Finding("error", f"{role.name}.engine.max_tokens_per_micro_batch",
                                 f"{budget} is below the longest row padded for cp={layout.cp} "
                                 f"({padded} tokens)"))
+    heads = role.shape.heads // layout.tp
+    if role.engine.cp_comm_type.startswith("a2a") and heads % layout.cp:
+        findings.append(Finding("error", f"{role.name}.engine.cp_comm_type",
+                                f"{role.engine.cp_comm_type!r} scatters the {heads} attention "
+                                f"heads of a TP rank over cp={layout.cp} ranks: they do not "
+                                "divide; use 'p2p' or 'all_gather'"))
     if layout.tp * layout.cp > cluster.gpus_per_node:
         findings.append(Finding("info", where, f"tp*cp = {layout.tp * layout.cp} spans nodes of "
                                 f"{cluster.gpus_per_node} GPUs: the CP group's K/V exchange "

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 CPU_CHECKS = {"environment", "update", "offload", "checkpoint_resume", "parity_fp32", "refit_hf"}
-CUDA_CHECKS = {"parity_bf16", "attention", "throughput_1b", "cuda_ipc"}
+CUDA_CHECKS = {"parity_bf16", "attention", "throughput_1b", "cuda_ipc", "context_parallel"}
 
 
 def _run(tmp_path: Path, *extra: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess,

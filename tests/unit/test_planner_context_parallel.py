@@ -71,6 +71,9 @@ def test_long_rows_that_do_not_fit_get_a_cp_suggestion():
       "rollout.sampling.max_tokens=16", "rollout.val_sampling.max_tokens=16",
       "actor.engine.max_tokens_per_micro_batch=64"),
      "cp=16 splits each row into 2*cp=32 chunks, but the longest row has 24 tokens"),
+    (("actor.engine.cp_comm_type=a2a",),  # Ulysses: 40 heads / tp 8 = 5 per rank, cp=4
+     "actor.engine.cp_comm_type: 'a2a' scatters the 5 attention heads of a TP rank over cp=4 "
+     "ranks: they do not divide"),
 ])
 def test_cp_checks_name_the_field_and_values(overrides, expected):
     report = _plan(*overrides)
