@@ -114,8 +114,15 @@ class AsyncRolloutEngine:
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, coro: Coroutine, timeout: float | None = 300) -> Any:
-        """Run `coro` on the engine's loop and wait for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        """Run `coro` on the engine's loop and wait for it; a dead vLLM engine process becomes a
+        one-line WorkerFailure."""
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        except Exception as exc:
+            if type(exc).__name__ != "EngineDeadError":
+                raise
+            raise WorkerFailure("rollout engine died: vLLM's engine process is gone "
+                                "(EngineDeadError)") from None
 
     async def _start(self) -> Any:
         if not self.platform.is_cuda:
@@ -184,6 +191,8 @@ class AsyncRolloutEngine:
             samples = await self._generate_group(prompt, sampling, seed, key)
         except BaseException as exc:  # an engine that dies must end the run, not hang it
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if type(exc).__name__ == "EngineDeadError":
+                first = "vLLM's engine process is gone"
             with self._cond:
                 self._error = f"rollout engine failed: {type(exc).__name__}: {first}"
                 self._cond.notify_all()
