@@ -19,7 +19,8 @@ class ParallelDims:
     tp: tensor-parallel size (splits attention heads and the FFN).
     pp: pipeline-parallel size (splits layers).
     vpp: virtual pipeline stages per rank (interleaved 1F1B), or None.
-    cp: context-parallel size (splits the sequence; needs TE attention, so GPU only).
+    cp: context-parallel size (splits each sequence; TE attention on GPU, else the SDPA
+        all-gather-KV attention, models/sdpa_cp.py).
     ep: expert-parallel size (MoE only).
     dp: data-parallel size, derived as world_size // (tp * cp * pp).
     """
@@ -78,7 +79,8 @@ class ParallelDims:
             )
 
     def validate_for_platform(self, *, supports_context_parallel: bool, device_type: str) -> None:
-        """Context parallelism needs Transformer Engine attention, which exists only on GPU."""
+        """For callers that require TE's context parallelism. `initialize_layout` no longer calls
+        this: without TE, cp > 1 runs on the SDPA attention's all-gather-KV path."""
         if self.cp > 1 and not supports_context_parallel:
             raise LayoutError(
                 f"cp={self.cp} needs Transformer Engine attention on CUDA; "
