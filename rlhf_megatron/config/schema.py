@@ -38,6 +38,9 @@ class LayoutSpec:
     """Context-parallel size (GPU only: needs TE attention)."""
     dp: int = 1
     """Data-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): splits each MoE layer's experts over ep of the dp * cp
+    ranks, so it must divide dp * cp; it adds no ranks (docs/MOE.md)."""
 
     @property
     def world_size(self) -> int:
@@ -45,7 +48,7 @@ class LayoutSpec:
 
     def dims(self) -> ParallelDims:
         return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp,
-                            cp=self.cp)
+                            cp=self.cp, ep=self.ep)
 
 
 @dataclass

@@ -98,14 +98,21 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
     tokens = tokens_per_micro_batch(cfg, engine) / layout.cp
     columns = 0 if role.value_head else pad_vocab_size(shape.vocab, layout.tp) // layout.tp
     describe = f"tp{layout.tp} pp{layout.pp}" + (f" vpp{layout.vpp}" if layout.vpp else "") + \
-        (f" cp{layout.cp}" if layout.cp > 1 else "") + f" dp{layout.dp}"
+        (f" cp{layout.cp}" if layout.cp > 1 else "") + \
+        (f" ep{layout.ep}" if layout.ep > 1 else "") + f" dp{layout.dp}"
     worst: RoleMemory | None = None
     for stage in range(layout.pp):
         params = stage_params(shape, tp=layout.tp, pp=layout.pp, stage=stage,
-                              value_head=role.value_head)
-        state = model_state_bytes(params.total, dtype=engine.dtype, trainable=trainable,
-                                  optimizer=opt.name, sgd_momentum=opt.sgd_momentum,
-                                  optimizer_shards=shards)
+                              value_head=role.value_head, ep=layout.ep, vpp=layout.vpp)
+        state = model_state_bytes(params.total - params.experts, dtype=engine.dtype,
+                                  trainable=trainable, optimizer=opt.name,
+                                  sgd_momentum=opt.sgd_momentum, optimizer_shards=shards)
+        if params.experts:  # the distributed optimizer shards experts over expert-DP only
+            expert = model_state_bytes(params.experts, dtype=engine.dtype, trainable=trainable,
+                                       optimizer=opt.name, sgd_momentum=opt.sgd_momentum,
+                                       optimizer_shards=max(1, shards // layout.ep))
+            state = type(state)(state.weights + expert.weights, state.grads + expert.grads,
+                                state.optimizer + expert.optimizer)
         forward = forward_activation_bytes(
             shape, tokens=tokens, tp=layout.tp, sequence_parallel=SEQUENCE_PARALLEL,
             act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0,

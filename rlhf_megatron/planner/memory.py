@@ -83,7 +83,10 @@ def layer_activation_bytes(shape: ModelShape, tokens: float, *, tp: int,
     (cp - 1) * 2(g*d)/tp more per local token.
     """
     replicated = 4 * shape.hidden / (tp if sequence_parallel else 1)
-    sharded = (2 * shape.q_width + 2 * shape.kv_width + 3 * shape.ffn) / tp
+    # MoE layers: each token's top-k expert FFNs (activation_ffn), and the dispatcher's permuted
+    # copies of its input and of the experts' output, topk rows of `hidden` each.
+    replicated += 2 * shape.topk * shape.hidden
+    sharded = (2 * shape.q_width + 2 * shape.kv_width + 3 * shape.activation_ffn) / tp
     per_token = act_bytes * (replicated + sharded + (cp - 1) * 2 * shape.kv_width / tp)
     if not flash_attention:
         per_token += act_bytes * shape.heads * seq_len / tp

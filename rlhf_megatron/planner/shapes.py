@@ -36,12 +36,23 @@ class ModelShape:
     qkv_bias: bool
     qk_norm: bool
     tied_embeddings: bool
+    experts: int = 0
+    """Routed experts per MoE layer (0: dense model)."""
+    expert_ffn: int = 0
+    """Intermediate size of one expert (HF moe_intermediate_size; Mixtral intermediate_size)."""
+    topk: int = 0
+    """Experts per token."""
+    sparse_layers: tuple[int, ...] = ()
+    """0/1 per decoder layer, 1 = MoE layer (empty for a dense model)."""
+    shared_expert_ffn: int = 0
+    """Qwen2-MoE's shared expert (with its (1, hidden) sigmoid gate); 0 when none."""
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelShape:
         spec = ARCHITECTURES.for_hf_config(hf)
         heads = hf.num_attention_heads
-        return cls(
+        moe = _moe_fields(hf)
+        return cls(**moe,
             architecture=spec.hf_architecture,
             hidden=hf.hidden_size,
             layers=hf.num_hidden_layers,
@@ -65,20 +76,63 @@ class ModelShape:
         """Width of K (and of V): kv_heads * head_dim."""
         return self.kv_heads * self.head_dim
 
-    def layer_params(self, tp: int = 1) -> int:
-        """Parameters of one decoder layer on one TP rank."""
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and bool(self.sparse_layers[layer])
+
+    def layer_params(self, tp: int = 1, *, ep: int = 1, layer: int | None = None) -> int:
+        """Parameters of one decoder layer on one TP (and EP) rank.
+
+        MoE layers (`layer` given and sparse): a replicated (experts, hidden) router, experts / ep
+        local experts whose SwiGLU FFNs are split over TP (expert-TP = TP), and the shared expert
+        with its gate if any; dense layers a SwiGLU FFN of `ffn`.
+        """
         qkv_out = self.q_width + 2 * self.kv_width
-        sharded = self.hidden * qkv_out + self.q_width * self.hidden + 3 * self.hidden * self.ffn
+        sharded = self.hidden * qkv_out + self.q_width * self.hidden
+        replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
         if self.qkv_bias:
             sharded += qkv_out
-        replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return sharded // tp + replicated
+        if layer is not None and self.is_sparse(layer):
+            replicated += self.experts * self.hidden
+            experts = self.experts // ep * 3 * self.hidden * self.expert_ffn // tp
+            if self.shared_expert_ffn:
+                sharded += 3 * self.hidden * self.shared_expert_ffn
+                replicated += self.hidden
+            return sharded // tp + experts + replicated
+        return (sharded + 3 * self.hidden * self.ffn) // tp + replicated
 
     def total_params(self) -> int:
         """Parameters of the HF model (unpadded vocabulary; a tied output counted once)."""
         embedding = self.vocab * self.hidden
         output = 0 if self.tied_embeddings else embedding
-        return embedding + self.layers * self.layer_params() + self.hidden + output
+        decoder = sum(self.layer_params(layer=i) for i in range(self.layers))
+        return embedding + decoder + self.hidden + output
+
+    def active_params(self) -> int:
+        """Parameters one token passes through (top-k of the experts); = total for dense models."""
+        if not self.experts:
+            return self.total_params()
+        idle = (self.experts - self.topk) * 3 * self.hidden * self.expert_ffn
+        return self.total_params() - idle * sum(self.sparse_layers)
+
+    @property
+    def activation_ffn(self) -> int:
+        """FFN width one token's activations see: topk experts (+ shared) in MoE layers, `ffn` in
+        dense ones (the wider of the two, for a per-layer activation bound)."""
+        if not self.experts:
+            return self.ffn
+        return max(self.topk * self.expert_ffn + self.shared_expert_ffn,
+                   self.ffn if not all(self.sparse_layers) else 0)
+
+
+def _moe_fields(hf: Any) -> dict[str, Any]:
+    """ModelShape's MoE fields of an HF config ({} for a dense one)."""
+    from rlhf_megatron.models.moe_config import is_moe_config, moe_shape
+
+    if not is_moe_config(hf):
+        return {}
+    moe = moe_shape(hf)
+    return {"experts": moe.num_experts, "expert_ffn": moe.expert_ffn, "topk": moe.topk,
+            "sparse_layers": moe.sparse_layers, "shared_expert_ffn": moe.shared_expert_ffn}
 
 
 @dataclass(frozen=True)
@@ -91,6 +145,9 @@ class StageParams:
     decoder: int
     head: int
     """Final norm + output layer (LM head, or the critic's value head)."""
+    experts: int = 0
+    """The part of `decoder` that is this rank's routed experts (sharded over expert-DP by the
+    distributed optimizer, not DP)."""
 
     @property
     def total(self) -> int:
@@ -98,7 +155,8 @@ class StageParams:
 
 
 def stage_params(shape: ModelShape, *, tp: int, pp: int, stage: int,
-                 value_head: bool = False, vocab_divisor: int = 128) -> StageParams:
+                 value_head: bool = False, vocab_divisor: int = 128, ep: int = 1,
+                 vpp: int | None = None) -> StageParams:
     """Parameters of one TP rank of pipeline stage `stage` (0-based).
 
     With VPP the stage's layers are spread over its chunks, but the first chunk of stage 0 still
@@ -117,7 +175,19 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, stage: int,
             # Tied embeddings with pp > 1: the last stage keeps its own copy of the embedding,
             # kept equal by an all-reduce of the grads, so it costs memory there too.
             head += padded * shape.hidden // tp
-    return StageParams(stage, layers, embedding, layers * shape.layer_params(tp), head)
+    indices = stage_layer_indices(shape.layers, pp, stage, vpp)
+    experts = sum(shape.is_sparse(i) for i in indices) * (
+        shape.experts // ep * 3 * shape.hidden * shape.expert_ffn // tp)
+    return StageParams(stage, layers, embedding,
+                       sum(shape.layer_params(tp, ep=ep, layer=i) for i in indices), head, experts)
+
+
+def stage_layer_indices(layers: int, pp: int, stage: int, vpp: int | None = None) -> list[int]:
+    """Global indices of the decoder layers pipeline stage `stage` holds (Megatron's even split;
+    with VPP, chunk c of stage s holds block c * pp + s of layers / (pp * vpp))."""
+    chunks = vpp or 1
+    per_chunk = layers // (pp * chunks)
+    return [(c * pp + stage) * per_chunk + i for c in range(chunks) for i in range(per_chunk)]
 
 
 def read_shape(config_json: Path) -> ModelShape:

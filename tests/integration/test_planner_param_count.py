@@ -22,6 +22,8 @@ CASES = [
     ("configs/llama3.1-70b_ppo_8x8.yaml", "critic"),
     ("configs/qwen2.5-32b_grpo_2x8.yaml", "actor"),  # qkv bias
     ("configs/qwen2.5-72b_grpo_8x8.yaml", "actor"),  # vpp chunks
+    ("configs/qwen3-30b-a3b_grpo_2x8.yaml", "actor"),  # MoE: EP 16, 8 of 128 experts per rank
+    ("configs/qwen3-235b-a22b_grpo_16x8.yaml", "actor"),  # MoE: TP 4 x PP 2 x EP 8
 ]
 
 
@@ -73,7 +75,7 @@ def _count_stage(config: str, role: str, last: bool) -> tuple[int, int]:
         dist.destroy_process_group()
     stage = layout.pp - 1 if last else 0
     planned = stage_params(ModelShape.from_hf(hf), tp=layout.tp, pp=layout.pp, stage=stage,
-                           value_head=role == "critic").total
+                           value_head=role == "critic", ep=layout.ep, vpp=layout.vpp).total
     return built, planned
 
 
