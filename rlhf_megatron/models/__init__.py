@@ -1,7 +1,9 @@
 """Architecture registry, HF -> Megatron config translation and the GPTModel builder."""
 
-from rlhf_megatron.models import decoders  # noqa: F401  (registers the supported families)
-from rlhf_megatron.models import moe_decoders  # noqa: F401  (and the mixture-of-experts ones)
+from rlhf_megatron.models import (
+    decoders,  # noqa: F401  (registers the supported families)
+    moe_decoders,  # noqa: F401  (and the mixture-of-experts ones)
+)
 from rlhf_megatron.models.builder import build_gpt_model, build_layer_spec, build_model_chunks
 from rlhf_megatron.models.config_translation import (
     MegatronModelArgs,

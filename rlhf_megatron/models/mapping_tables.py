@@ -19,8 +19,8 @@ from rlhf_megatron.models.param_mapping import (
     MappingTable,
     ParamMapping,
     QKVMapping,
-    ShardContext,
     RowParallelMapping,
+    ShardContext,
     VocabParallelMapping,
 )
 
@@ -139,10 +139,10 @@ def expert_mappings(architecture: str, num_experts: int = 0) -> list[ParamMappin
     mappings: list[ParamMapping] = [
         DirectMapping(f"{_M}mlp.router.weight", f"{_H}{block}.{router}.weight"),
     ]
-    for seq, fc1, fc2 in (
-        (True, f"{_M}mlp.experts.local_experts.*.linear_fc1.weight",
+    for fc1, fc2 in (  # SequentialMLP, then TEGroupedMLP names
+        (f"{_M}mlp.experts.local_experts.*.linear_fc1.weight",
          f"{_M}mlp.experts.local_experts.*.linear_fc2.weight"),
-        (False, f"{_M}mlp.experts.linear_fc1.weight*", f"{_M}mlp.experts.linear_fc2.weight*"),
+        (f"{_M}mlp.experts.linear_fc1.weight*", f"{_M}mlp.experts.linear_fc2.weight*"),
     ):
         mappings += [
             GatedMLPMapping(fc1, gate=f"{hf_expert}{gate}.weight", up=f"{hf_expert}{up}.weight"),

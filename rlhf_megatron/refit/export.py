@@ -69,6 +69,11 @@ def iter_hf_tensors(
     from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
     from rlhf_megatron.models.registry import ARCHITECTURES
 
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # The stage sender (DP rank 0) holds only its own experts (docs/MOE.md).
+        from rlhf_megatron.errors import LayoutError
+
+        raise LayoutError("refit from an actor at ep > 1 is not supported yet; use ep=1")
     table = ARCHITECTURES.for_hf_config(engine.hf_config).mapping_table_for(engine.hf_config)
     ctx = ShardContext(ModelShapes.from_megatron_args(engine.args),
                        tp=parallel_state.get_tensor_model_parallel_world_size(), rank=0)
