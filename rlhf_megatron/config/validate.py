@@ -22,7 +22,7 @@ from rlhf_megatron.algorithms import (
     POLICY_LOSSES,
     AlgorithmError,
 )
-from rlhf_megatron.config.roles import device_needs, megatron_roles  # noqa: F401
+from rlhf_megatron.config.roles import MEGATRON_ROLES, device_needs, megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
@@ -325,7 +325,7 @@ def check_finite(value: Any, key: str = "") -> None:
 def check_layout_values(cfg: TrainConfig) -> None:
     """Layout sizes are positive integers: ``actor.layout.tp=0`` is bad input (exit 2), not a
     layout that "does not fit"."""
-    sections = [("actor", cfg.actor), ("critic", cfg.critic), ("reward_model", cfg.reward_model)]
+    sections = [(role, getattr(cfg, role)) for role in MEGATRON_ROLES]  # used or not
     values = [(f"{role}.layout.{name}", getattr(section.layout, name))
               for role, section in sections for name in ("tp", "pp", "cp", "dp", "vpp")]
     values += [("rollout.engine.tensor_parallel_size", cfg.rollout.engine.tensor_parallel_size),
