@@ -45,6 +45,7 @@ from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 from rlhf_megatron.rollout.vllm_engine import prompt_seed
 
 _EXTENSION = "rlhf_megatron.rollout.async_worker_ext.RolloutWeightLoader"
+_DEAD = "rollout engine died: vLLM's engine process is gone (EngineDeadError)"
 
 
 @dataclass
@@ -116,13 +117,30 @@ class AsyncRolloutEngine:
     def _call(self, coro: Coroutine, timeout: float | None = 300) -> Any:
         """Run `coro` on the engine's loop and wait for it; a dead vLLM engine process becomes a
         one-line WorkerFailure."""
+        import concurrent.futures
+
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+            while True:  # a call in flight when the engine dies may never be answered
+                try:
+                    return future.result(0.5)
+                except concurrent.futures.TimeoutError:
+                    if self._engine_dead():
+                        future.cancel()
+                        raise WorkerFailure(_DEAD) from None
+                    if deadline is not None and time.monotonic() > deadline:
+                        future.cancel()
+                        raise
         except Exception as exc:
             if type(exc).__name__ != "EngineDeadError":
                 raise
-            raise WorkerFailure("rollout engine died: vLLM's engine process is gone "
-                                "(EngineDeadError)") from None
+            raise WorkerFailure(_DEAD) from None
+
+    def _engine_dead(self) -> bool:
+        """vLLM's monitor thread flags its engine process's death here."""
+        core = getattr(getattr(self, "llm", None), "engine_core", None)
+        return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
 
     async def _start(self) -> Any:
         if not self.platform.is_cuda:
@@ -368,5 +386,7 @@ class AsyncRolloutEngine:
                               f"{self.config.max_model_len}")
 
     def _raise_if_failed(self) -> None:
+        if self._error is None and self._engine_dead():
+            self._error = _DEAD
         if self._error is not None:
             raise WorkerFailure(self._error)

@@ -33,7 +33,7 @@ from controller_harness import (
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 from rlhf_megatron.quickstart import prepare
 
-STEPS = 200
+STEPS = 250
 WINDOW = 10
 MARGIN = 0.3
 PROMPTS = 16
@@ -44,7 +44,7 @@ SPLIT = {"resources.mode": "split", "resources.devices_per_node": 2,
 def _overrides(assets: Path, run_dir: Path, mode: str, **extra: object) -> list[str]:
     return small_run_overrides(assets, run_dir, **{
         "data.prompts_per_step": PROMPTS, "rollout.sampling.n": 16,
-        "actor.engine.micro_batch_size": 256, "actor.engine.optimizer.lr": 0.003,
+        "actor.engine.micro_batch_size": 256,
         "trainer.total_steps": STEPS, "trainer.val_every": 0, "trainer.seed": 1,
         "trainer.rollout_mode": mode, **SPLIT, **extra})
 
@@ -94,7 +94,7 @@ def test_async_learns_across_kill_and_resume(assets: Path, tmp_path: Path,
     args = _overrides(assets, run_dir, "async", **{"trainer.max_staleness": 1,
                                                     "trainer.save_every": 10})
     process = start_train(args, tmp_path / "killed.log")  # its own Ray cluster: killed with it
-    store = CheckpointStore(run_dir / "checkpoints")
+    store = CheckpointStore(run_dir / "checkpoints", keep_last=2)
     wait_until(lambda: len(read_metrics(run_dir)) >= 25, process, timeout=600)
     kill_hard(process)
     saved = store.load_controller_state(store.latest())
