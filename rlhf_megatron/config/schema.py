@@ -18,6 +18,7 @@ from rlhf_megatron.algorithms import (
     RolloutCorrectionConfig,
 )
 from rlhf_megatron.engines.config import EngineConfig
+from rlhf_megatron.environments.config import EnvironmentConfig
 from rlhf_megatron.offline.config import OfflineSettings
 from rlhf_megatron.parallel.dims import ParallelDims
 from rlhf_megatron.rewards.manager import RewardConfig
@@ -266,6 +267,7 @@ class TrainConfig:
     critic: CriticSection = field(default_factory=CriticSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
     resources: ResourcesSection = field(default_factory=ResourcesSection)
     ray: RaySection = field(default_factory=RaySection)

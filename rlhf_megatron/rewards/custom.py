@@ -104,23 +104,34 @@ def _accepted_keywords(fn: Callable[..., Any]) -> tuple[bool, frozenset[str]]:
 def load_custom_reward(spec: str) -> CustomReward:
     """Import ``function`` from ``path/to/file.py`` (``spec = "path/to/file.py:function"``).
 
-    The file is loaded with ``importlib.util.spec_from_file_location`` under a unique module name,
-    so two files with the same stem never collide. Raises :class:`RewardError` when the spec has no
-    ``:function``, the file is missing or not a ``.py``, importing it fails, or the function is
-    missing or not callable.
+    Raises :class:`RewardError` when the spec has no ``:function``, the file is missing or not a
+    ``.py``, importing it fails, or the function is missing or not callable.
+    """
+    fn = load_from_file(spec, "custom reward", "function", RewardError)
+    return CustomReward(fn, spec)
+
+
+def load_from_file(spec: str, kind: str, member: str,
+                   error: type[Exception] = RewardError) -> Any:
+    """The callable ``name`` from ``path/to/file.py`` (``spec = "path/to/file.py:name"``).
+
+    Shared by custom rewards (``kind="custom reward"``, ``member="function"``) and environments
+    (``kind="environment"``, ``member="class"``). The file is loaded with
+    ``importlib.util.spec_from_file_location`` under a unique module name, so two files with the
+    same stem never collide. Every failure is one line of type ``error`` naming the spec.
     """
     path_text, sep, fn_name = spec.rpartition(":")
     if not sep or not path_text or not fn_name:
-        raise RewardError(f"custom reward {spec!r} must have the form 'path/to/file.py:function'")
+        raise error(f"{kind} {spec!r} must have the form 'path/to/file.py:{member}'")
     path = Path(path_text)
     if path.suffix != ".py":
-        raise RewardError(f"custom reward file {path_text!r} is not a .py file")
+        raise error(f"{kind} file {path_text!r} is not a .py file")
     if not path.is_file():
-        raise RewardError(f"custom reward file {path_text!r} does not exist")
-    module_name = f"rlhf_megatron_custom_reward_{path.stem}_{uuid.uuid4().hex}"
+        raise error(f"{kind} file {path_text!r} does not exist")
+    module_name = f"rlhf_megatron_{kind.replace(' ', '_')}_{path.stem}_{uuid.uuid4().hex}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise RewardError(f"custom reward file {path_text!r} cannot be imported")
+        raise error(f"{kind} file {path_text!r} cannot be imported")
     module = importlib.util.module_from_spec(module_spec)
     # Registered so that dataclasses and pickling inside the user's file work.
     sys.modules[module_name] = module
@@ -128,15 +139,13 @@ def load_custom_reward(spec: str) -> CustomReward:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise RewardError(
-            f"importing custom reward file {path_text!r} raised {type(exc).__name__}: "
+        raise error(
+            f"importing {kind} file {path_text!r} raised {type(exc).__name__}: "
             f"{one_line(str(exc))}"
         ) from exc
     if not hasattr(module, fn_name):
-        raise RewardError(f"custom reward file {path_text!r} has no function {fn_name!r}")
+        raise error(f"{kind} file {path_text!r} has no {member} {fn_name!r}")
     fn = getattr(module, fn_name)
     if not callable(fn):
-        raise RewardError(
-            f"custom reward {spec!r}: {fn_name!r} is not callable (type {type(fn).__name__})"
-        )
-    return CustomReward(fn, spec)
+        raise error(f"{kind} {spec!r}: {fn_name!r} is not callable (type {type(fn).__name__})")
+    return fn
