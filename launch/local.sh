@@ -37,8 +37,14 @@ die() { log "error: $*"; exit 1; }
 teardown() {
     local rc=$? pid deadline
     trap - EXIT INT TERM
-    [[ -z "$TRAINER_PID" ]] || kill -TERM -- "-$TRAINER_PID" 2>/dev/null \
-        || kill -TERM "$TRAINER_PID" 2>/dev/null || true
+    if [[ -n "$TRAINER_PID" ]] && kill -0 "$TRAINER_PID" 2>/dev/null; then
+        # The trainer alone first: on SIGTERM it saves a checkpoint after its step, with Ray up.
+        log "stopping the trainer (it saves a checkpoint after its step; up to ${STOP_GRACE_S}s)"
+        kill -TERM "$TRAINER_PID" 2>/dev/null || true
+        deadline=$((SECONDS + STOP_GRACE_S))
+        while kill -0 "$TRAINER_PID" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
+        kill -TERM -- "-$TRAINER_PID" 2>/dev/null || true  # what is left of its group
+    fi
     [[ -z "$RAY_PID" ]] || { log "stopping Ray"; kill -TERM "$RAY_PID" 2>/dev/null || true; }
     deadline=$((SECONDS + STOP_GRACE_S))
     for pid in $TRAINER_PID $RAY_PID; do
