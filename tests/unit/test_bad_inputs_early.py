@@ -15,11 +15,13 @@ from rlhf_megatron.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart_cpu.yaml"
+# Ships model.config_json, so `plan` works from a fresh clone (no quickstart assets needed).
+PLANNED = REPO / "configs" / "qwen2.5-32b_grpo_2x8.yaml"
 
 
 def _plan(capsys, *args: str) -> tuple[int, str]:
     try:
-        code = main(["plan", "--config", str(QUICKSTART), "--nodes", "1", "--gpus-per-node", "2",
+        code = main(["plan", "--config", str(PLANNED), "--nodes", "2", "--gpus-per-node", "8",
                      *args])
     except SystemExit as exc:  # argparse rejects the value itself
         code = exc.code
