@@ -87,6 +87,12 @@ def test_dpo_resumes_and_its_export_reproduces_the_trainer_logprobs(assets, head
     for key in ("rewards/margin", "rewards/accuracy"):
         first, last = _window_means(records, key)
         assert last > first + 0.1, (key, first, last)
+    # ... and "chosen" is the data's chosen: the policy's own log-prob gap between the file's
+    # chosen and rejected completions widens (a loss that swapped them would shrink it).
+    for r in records:
+        r["gap"] = r["logps/chosen"] - r["logps/rejected"]
+    first, last = _window_means(records, "gap")
+    assert last > first + 1.0, (first, last)
 
     checkpoint = run_dir / "checkpoints" / f"step_{HALF:08d}" / "actor"
     out = tmp_path / "hf"
