@@ -33,6 +33,7 @@ from rlhf_megatron.controller.trainer import restore_checkpoint, save_checkpoint
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
 from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 from rlhf_megatron.rewards import RewardManager
 
 
@@ -67,6 +68,10 @@ def _say(message: str) -> None:
 def train(cfg: TrainConfig) -> Path:
     """Run training as configured; returns the run directory. A signal (SIGTERM, SIGUSR1,
     SIGINT) ends it with StopRequested after a checkpoint of the step reached (lifecycle.py)."""
+    if cfg.algorithm.name in OFFLINE_ALGORITHMS:  # SFT/DPO/KTO: no rollout, own loop
+        from rlhf_megatron.offline.trainer import train_offline
+
+        return train_offline(cfg)
     stop = GracefulStop()
     stop.install()
     try:
