@@ -1,0 +1,277 @@
+"""Multi-turn episodes, token-in-token-out (issue 15 items 2-3).
+
+An episode is one token stream: the opening prompt (the chat template applied to the
+environment's ``reset`` messages), then per turn the ids vLLM generated (kept exactly: never decoded
+and encoded again) and the tokenised *delta* of the environment's observation messages (the chat
+template applied incrementally: only the new messages and the next generation prompt are
+tokenised). ``loss_mask`` is 1 on generated tokens only; ``rollout_logprobs`` are vLLM's log-probs of
+those tokens.
+
+Concurrency: the engine as it stands (``VllmRolloutEngine``, offline ``LLM``) generates in batched
+turns: each round generates one turn for every episode that is ready, and environment steps (tool
+calls) run on a thread pool. An episode waiting on a slow tool is left out of the next round
+instead of holding it, so a tool call never blocks other episodes' generation; a round only waits
+for tools when no episode is ready. (The async engine, rollout/async_engine.py, would let
+episodes join mid-generation; moving to it is listed as not done in docs/ENVIRONMENTS.md.)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.environments.base import Environment, Message, StepResult
+from rlhf_megatron.environments.config import EnvironmentConfig
+
+log = logging.getLogger(__name__)
+
+_MARK = "\u2063ASSISTANT_TURN\u2063"  # unique content to locate the end of an assistant turn
+
+
+class ChatFormat:
+    """Renders messages with the tokenizer's chat template, or the documented fallback format
+    (``"<role>: <content>\\n"`` per message, tool output as ``tool: <output>...</output>``,
+    generation prompt ``"assistant:"``) when the tokenizer has none."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.stop_ids = {i for i in (tokenizer.eos_token_id,) if i is not None}
+
+    def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
+        if self.has_template:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+        parts = []
+        for m in messages:
+            content = m["content"]
+            if m["role"] == "tool":
+                content = f"<output>{content}</output>"
+            parts.append(f"{m['role']}: {content}\n")
+        return "".join(parts) + ("assistant:" if generation_prompt else "")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The opening prompt: all messages plus the generation prompt."""
+        return self.encode(self.render(messages, True))
+
+    def observation_ids(self, observations: Sequence[Message], last_generated: int | None) -> list[int]:
+        """Ids appended after an assistant turn: whatever closes the turn that the model did not
+        generate itself, the observation messages and the next generation prompt. Computed on a
+        fixed stand-in conversation, so the assistant's own tokens are never re-tokenised."""
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+        base_text = self.render(base, False)
+        full = self.render(base + list(observations), True)
+        if not full.startswith(base_text):
+            raise ValueError("the chat template is not incremental (appending messages changed "
+                             "the rendering of earlier ones)")
+        closing = base_text[base_text.index(_MARK) + len(_MARK):]
+        if last_generated is not None and last_generated in self.stop_ids:
+            stop_text = self.tokenizer.decode([last_generated])
+            closing = closing.removeprefix(stop_text)
+        return self.encode(closing + full[len(base_text):])
+
+
+@dataclass
+class TurnOutput:
+    """One generated assistant turn: vLLM's ids, their log-probs and finish reason."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+TurnGenerator = Callable[[list[list[int]], list[int]], list[TurnOutput]]
+"""(contexts, max_tokens per context) -> one TurnOutput per context, in order."""
+
+
+@dataclass
+class Episode:
+    """One episode's token stream and bookkeeping (lists are aligned with ``ids``)."""
+
+    sample_index: int
+    prompt_len: int
+    ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    env: Environment
+    turns: int = 0
+    reward: float = 0.0
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    """(position of the turn's last generated token, reward) for every turn that earned one."""
+    done: bool = False
+    truncated: bool = False
+    pending: Future | None = None
+    last_generated: int | None = None
+
+    @property
+    def episode_tokens(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+class EpisodeRunner:
+    """Runs many episodes of one environment class concurrently (see the module docstring).
+
+    Args:
+        env_cls: the environment class (``cls(**cfg.kwargs)`` per episode).
+        cfg: the ``environment:`` section (limits, tool threads).
+        chat: the ChatFormat of the policy's tokenizer.
+        generate: a TurnGenerator (``vllm_turn_generator(engine, sampling)`` for vLLM).
+    """
+
+    def __init__(self, env_cls: type, cfg: EnvironmentConfig, chat: ChatFormat,
+                 generate: TurnGenerator) -> None:
+        self.env_cls, self.cfg, self.chat, self.generate = env_cls, cfg, chat, generate
+
+    def run(self, samples: Sequence[dict[str, Any]]) -> list[Episode]:
+        """One episode per sample, all finished (done or truncated) when this returns."""
+        episodes = [self._start(i, s) for i, s in enumerate(samples)]
+        with ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="env-step") as pool:
+            while not all(e.done for e in episodes):
+                self._collect(episodes, block=False)
+                ready = [e for e in episodes if not e.done and e.pending is None]
+                if ready:
+                    self._generate_round(ready, pool)
+                else:
+                    self._collect(episodes, block=True)
+        for e in episodes:
+            e.env.close()
+        return episodes
+
+    def _start(self, index: int, sample: dict[str, Any]) -> Episode:
+        env = self.env_cls(**self.cfg.kwargs)
+        prompt = self.chat.prompt_ids(env.reset(sample))
+        return Episode(index, len(prompt), list(prompt), [0] * len(prompt),
+                       [0.0] * len(prompt), env)
+
+    def _generate_round(self, ready: list[Episode], pool: ThreadPoolExecutor) -> None:
+        budgets = [min(self.cfg.max_tokens_per_turn,
+                       self.cfg.max_tokens_per_episode - e.episode_tokens) for e in ready]
+        outputs = self.generate([list(e.ids) for e in ready], budgets)
+        for e, out in zip(ready, outputs):
+            e.ids += out.token_ids
+            e.loss_mask += [1] * len(out.token_ids)
+            e.logprobs += list(out.logprobs)
+            e.turns += 1
+            text = self.chat.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            e.last_generated = out.token_ids[-1] if out.token_ids else None
+            e.pending = pool.submit(e.env.step, text)
+
+    def _collect(self, episodes: list[Episode], block: bool) -> None:
+        pending = {e.pending: e for e in episodes if e.pending is not None}
+        if not pending:
+            return
+        if block:
+            wait(list(pending), return_when=FIRST_COMPLETED)
+        for fut, e in pending.items():
+            if fut.done():
+                e.pending = None
+                self._apply(e, _step_result(fut, e))
+
+    def _apply(self, e: Episode, result: StepResult) -> None:
+        obs, reward, done = result
+        if reward is not None:
+            last = max(i for i, m in enumerate(e.loss_mask) if m) if any(e.loss_mask) else 0
+            e.turn_rewards.append((last, float(reward)))
+            e.reward += float(reward)
+        if done:
+            e.done = True
+            return
+        delta = self.chat.observation_ids(obs, e.last_generated)
+        over_tokens = e.episode_tokens + len(delta) >= self.cfg.max_tokens_per_episode
+        if e.turns >= self.cfg.max_turns or over_tokens:
+            e.done = e.truncated = True  # no room for another turn: the observation is dropped
+            return
+        e.ids += delta
+        e.loss_mask += [0] * len(delta)
+        e.logprobs += [0.0] * len(delta)
+
+
+def _step_result(fut: Future, e: Episode) -> StepResult:
+    """The environment's step result; an environment that raises ends its episode (reward 0)."""
+    try:
+        obs, reward, done = fut.result()
+        return StepResult(list(obs), reward, bool(done))
+    except Exception as exc:  # a user environment's bug ends only its own episode
+        log.error("environment step raised %s: %s (episode %d ends)", type(exc).__name__,
+                  " ".join(str(exc).split()), e.sample_index)
+        e.env.tool_stats.errors += 1
+        return StepResult([], None, True)
+
+
+def vllm_turn_generator(engine: Any, sampling: Any) -> TurnGenerator:
+    """A TurnGenerator on a VllmRolloutEngine: one batched ``LLM.generate`` per round, with
+    per-context max_tokens and vLLM's log-probs of the sampled tokens (``sampling`` is a
+    SamplingSettings; its seed, if any, is offset per call so rounds do not repeat)."""
+    from vllm import SamplingParams
+
+    calls = [0]
+
+    def generate(contexts: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
+        calls[0] += 1
+        params = [SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=budget, logprobs=0, stop_token_ids=list(sampling.stop_token_ids),
+            seed=None if sampling.seed is None else sampling.seed * 100003 + calls[0] * 1009 + i,
+        ) for i, budget in enumerate(budgets)]
+        outputs = engine.llm.generate([{"prompt_token_ids": c} for c in contexts], params,
+                                      use_tqdm=False)
+        turns = []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            lps = [float(d[t].logprob) for d, t in zip(sample.logprobs, ids)]
+            turns.append(TurnOutput(ids, lps, str(sample.finish_reason)))
+        return turns
+
+    return generate
+
+
+def episodes_to_batch(episodes: Sequence[Episode]) -> TokenBatch:
+    """Right-padded TokenBatch: input_ids, attention_mask, loss_mask (1 on generated tokens), and
+    fields rollout_logprobs (bs, S), token_level_rewards (bs, S) (each turn's reward at its last
+    generated token), prompt_index (bs,) and scores (bs,) (the episode's summed reward)."""
+    width = max(len(e.ids) for e in episodes)
+    bs = len(episodes)
+    ids = torch.zeros(bs, width, dtype=torch.long)
+    attn = torch.zeros(bs, width, dtype=torch.long)
+    loss = torch.zeros(bs, width, dtype=torch.long)
+    lps = torch.zeros(bs, width, dtype=torch.float32)
+    rewards = torch.zeros(bs, width, dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        n = len(e.ids)
+        ids[i, :n] = torch.tensor(e.ids)
+        attn[i, :n] = 1
+        loss[i, :n] = torch.tensor(e.loss_mask)
+        lps[i, :n] = torch.tensor(e.logprobs)
+        for pos, r in e.turn_rewards:
+            rewards[i, pos] += r
+    return TokenBatch(ids, attn, loss, {
+        "rollout_logprobs": lps, "token_level_rewards": rewards,
+        "prompt_index": torch.tensor([e.sample_index for e in episodes]),
+        "scores": torch.tensor([e.reward for e in episodes], dtype=torch.float32)})
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Issue 15 item 5: turns per episode, tool calls/errors/timeouts, episode length,
+    truncation rate and mean reward (means over episodes)."""
+    n = max(len(episodes), 1)
+    stats = [e.env.tool_stats for e in episodes]
+    return {
+        "episode/turns_mean": sum(e.turns for e in episodes) / n,
+        "episode/tool_calls_mean": sum(s.calls for s in stats) / n,
+        "episode/tool_errors_mean": sum(s.errors for s in stats) / n,
+        "episode/tool_timeouts_mean": sum(s.timeouts for s in stats) / n,
+        "episode/tool_use_rate": sum(s.calls > 0 for s in stats) / n,
+        "episode/length_mean": sum(e.episode_tokens for e in episodes) / n,
+        "episode/truncated_frac": sum(e.truncated for e in episodes) / n,
+        "episode/reward_mean": sum(e.reward for e in episodes) / n,
+    }
