@@ -173,3 +173,29 @@ def expert_load(model_chunks: list[Any]) -> dict[int, torch.Tensor]:
             if layer.last_tokens_per_expert is not None:
                 load[index] = layer.last_tokens_per_expert
     return load
+
+
+def expert_load_metrics(load: dict[int, torch.Tensor]) -> dict[str, float]:
+    """Per MoE layer, the most and least loaded expert relative to the mean load:
+    `moe/load_max/layer<i>` = max_e tokens_e / mean_e tokens_e (1.0 = perfectly balanced) and
+    `moe/load_min/layer<i>` likewise. load: global layer index -> (num_experts,) token counts."""
+    metrics = {}
+    for layer, tokens in sorted(load.items()):
+        tokens = tokens.float()
+        mean = tokens.mean().clamp_min(1e-12)
+        metrics[f"moe/load_max/layer{layer}"] = float(tokens.max() / mean)
+        metrics[f"moe/load_min/layer{layer}"] = float(tokens.min() / mean)
+    return metrics
+
+
+def routing_mismatch_fraction(topk_a: torch.Tensor, topk_b: torch.Tensor) -> float:
+    """Fraction of tokens whose set of chosen experts differs between two passes.
+
+    topk_a, topk_b: [tokens, k] expert indices of the same tokens (order within a row ignored).
+    """
+    if topk_a.shape != topk_b.shape:
+        raise ValueError(f"top-k shapes differ: {tuple(topk_a.shape)} vs {tuple(topk_b.shape)}")
+    if topk_a.numel() == 0:
+        return 0.0
+    same = (topk_a.sort(dim=-1).values == topk_b.sort(dim=-1).values).all(dim=-1)
+    return float(1.0 - same.float().mean())

@@ -111,3 +111,14 @@ def test_local_expert_names_become_global():
             == "decoder.layers.0.mlp.experts.linear_fc2.weight3")
     assert (global_layer_name("decoder.layers.0.mlp.router.weight", 0, 2)
             == "decoder.layers.0.mlp.router.weight")
+
+
+def test_expert_load_metrics_and_routing_mismatch():
+    from rlhf_megatron.models.moe_layers import expert_load_metrics, routing_mismatch_fraction
+
+    metrics = expert_load_metrics({3: torch.tensor([2, 6, 4, 4])})
+    assert metrics == {"moe/load_max/layer3": 1.5, "moe/load_min/layer3": 0.5}
+    a = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3]])
+    b = torch.tensor([[1, 0], [2, 3], [1, 3], [0, 3]])  # same sets except row 2
+    assert routing_mismatch_fraction(a, b) == 0.25
+    assert routing_mismatch_fraction(a, a) == 0.0
