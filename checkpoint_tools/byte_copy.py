@@ -44,7 +44,8 @@ _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, er
 
 @dataclass(frozen=True)
 class RowRun:
-    """Rows [start, stop) of a tensor, stored contiguously in `path` from byte `offset`."""
+    """Rows [start, stop) of a tensor, stored contiguously in `path` from byte `offset`. A row is
+    one vector along the last dim (an element of a 1-D tensor), counted in storage order."""
 
     start: int
     stop: int
@@ -62,7 +63,20 @@ class RowLayout:
 
     @property
     def row_bytes(self) -> int:
-        return torch.Size(self.shape[1:]).numel() * torch.empty((), dtype=self.dtype).element_size()
+        last = self.shape[-1] if len(self.shape) >= 2 else 1
+        return last * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def rows_per_index(self) -> int:
+        """Rows per index along dim 0: 1 for 1-D and 2-D tensors, E.g. R for (E, R, H)."""
+        return torch.Size(self.shape[1:-1]).numel() if len(self.shape) >= 2 else 1
+
+    @classmethod
+    def whole(cls, shape: torch.Size, dtype: torch.dtype, path: Path, offset: int) -> RowLayout:
+        """A tensor stored contiguously from byte `offset` of `path`."""
+        layout = cls(torch.Size(shape), dtype, ())
+        rows = int(shape[0]) * layout.rows_per_index if len(shape) else 0
+        return cls(layout.shape, dtype, (RowRun(0, rows, path, offset),))
 
 
 @dataclass(frozen=True)
@@ -81,8 +95,8 @@ class NotRows(Exception):
 
 
 class _RowTracer:
-    """A `Sliceable` stand-in for one source tensor: slicing returns its row ids (+ `base` + 1,
-    so that 0 marks a zero row), shaped (rows, 1, ..., 1)."""
+    """A `Sliceable` stand-in for one source tensor: slicing (along dim 0) returns its row ids
+    (+ `base` + 1, so that 0 marks a zero row), shaped like the slice with the last dim 1."""
 
     def __init__(self, shape: torch.Size, base: int) -> None:
         self.shape = torch.Size(shape)
@@ -101,8 +115,14 @@ class _RowTracer:
                 start, stop = lo, max(lo, hi)
             elif (lo, hi) != (0, self.shape[dim]):
                 raise NotRows(f"a part of dim {dim}")
-        ids = torch.arange(start, stop, dtype=torch.int64) + (self.base + 1)
-        return ids.reshape(-1, *([1] * (len(self.shape) - 1)))
+        inner = torch.Size(self.shape[1:-1]).numel() if len(self.shape) >= 2 else 1
+        ids = torch.arange(start * inner, stop * inner, dtype=torch.int64) + (self.base + 1)
+        return ids.reshape(_id_shape((stop - start, *self.shape[1:])))
+
+
+def _id_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the row ids of a tensor of `shape`: its own, the last dim 1 (for >= 2-D)."""
+    return tuple(shape) if len(shape) < 2 else (*shape[:-1], 1)
 
 
 def trace_rows(layouts: dict[str, RowLayout],
@@ -118,7 +138,8 @@ def trace_rows(layouts: dict[str, RowLayout],
             raise NotRows(f"{role}: {layout.dtype} -> {out_dtype} needs a cast")
         tracers[role] = _RowTracer(layout.shape, base)
         owners.append((base, layout))
-        base += int(layout.shape[0]) + 1  # a gap: no run of ids crosses two sources
+        # a gap after each source: no run of ids crosses two sources
+        base += (int(layout.shape[0]) * layout.rows_per_index if len(layout.shape) else 0) + 1
     try:
         outputs = mapping(tracers)
     except NotRows:
@@ -128,7 +149,7 @@ def trace_rows(layouts: dict[str, RowLayout],
     extents = {}
     for name, ids in outputs.items():
         shape = tuple(out_shapes[name])
-        if len(shape) == 0 or tuple(ids.shape) != (shape[0], *([1] * (len(shape) - 1))):
+        if len(shape) == 0 or tuple(ids.shape) != _id_shape(shape):
             raise NotRows(f"{name}: traced shape {tuple(ids.shape)} for {shape}")
         extents[name] = _extents(ids.reshape(-1).numpy(), owners, shape, out_dtype)
     return extents
@@ -150,8 +171,8 @@ def _extents(ids: np.ndarray, owners: list[tuple[int, RowLayout]], shape: tuple[
             out.append(Extent(first * row_bytes, (last - first) * row_bytes, None, 0))
             continue
         base, layout = max((o for o in owners if o[0] < ids[first]), key=lambda o: o[0])
-        if tuple(layout.shape[1:]) != tuple(shape[1:]):
-            raise NotRows(f"rows of shape {tuple(layout.shape[1:])} into rows of {shape[1:]}")
+        if (len(layout.shape) >= 2) != (len(shape) >= 2) or layout.row_bytes != row_bytes:
+            raise NotRows(f"rows of {tuple(layout.shape)} into rows of {shape}")
         row = int(ids[first]) - base - 1
         out += _locate(layout, row, row + last - first, first * row_bytes)
     return out

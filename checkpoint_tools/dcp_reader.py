@@ -11,6 +11,7 @@ read straight into the destination tensor. Anything unexpected falls back to `to
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import struct
 import zipfile
@@ -88,6 +89,25 @@ def _stored_start(window: _Window, info: zipfile.ZipInfo) -> int | None:
     return info.header_offset + 30 + name_len + extra_len
 
 
+def _chunk_runs(param: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+                element: int, path: Path, data: int) -> list[RowRun]:
+    """The row runs of one stored chunk (global `offsets`, `sizes` in a tensor of shape `param`,
+    the last dim whole) whose bytes start at `data` of `path`: one run per index of the dims
+    before the last two (rows are contiguous along the second-to-last dim only)."""
+    if len(param) < 2:
+        return [RowRun(offsets[0], offsets[0] + sizes[0], path, data)]
+    row_bytes = param[-1] * element
+    outer = [range(o, o + s) for o, s in zip(offsets[:-2], sizes[:-2])]
+    runs, position = [], data
+    for index in itertools.product(*outer):
+        flat = 0
+        for dim, i in enumerate((*index, offsets[-2])):
+            flat = flat * param[dim] + i
+        runs.append(RowRun(flat, flat + sizes[-2], path, position))
+        position += sizes[-2] * row_bytes
+    return runs
+
+
 class DcpReader:
     """Reads stored chunks of a torch_dist checkpoint at `ckpt_dir`; keeps one file open."""
 
@@ -151,22 +171,23 @@ class DcpReader:
 
     def row_layout(self, key: str, layer: int | None, shape: tuple[int, ...],
                    dtype: torch.dtype) -> RowLayout | None:
-        """Where each row (dim 0) of `key` (its layer `layer` when layer-stacked, else the whole
-        tensor of global `shape`) is stored: one run per stored chunk. None when a chunk splits
-        a row (a split along a later dim) or is not a plain record (then read it instead)."""
+        """Where each row (vector along the last dim; see `RowRun`) of `key` (its layer `layer`
+        when layer-stacked, else the whole tensor of global `shape`) is stored: runs of rows per
+        stored chunk. None when a chunk splits the last dim or is not a plain record (then read
+        it instead)."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         lead = 0 if layer is None else 1  # the layer-stack dim, when there is one
         param = tuple(shape[lead:])
         if not param:
             return None
-        row_bytes = torch.Size(param[1:]).numel() * torch.empty((), dtype=dtype).element_size()
-        runs = []
+        element = torch.empty((), dtype=dtype).element_size()
+        runs: list[RowRun] = []
         for chunk in self.metadata.state_dict_metadata[key].chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             if lead and not offsets[0] <= layer < offsets[0] + sizes[0]:
                 continue
-            if offsets[lead + 1:] != (0,) * (len(param) - 1) or sizes[lead + 1:] != param[1:]:
+            if len(param) >= 2 and (offsets[-1] != 0 or sizes[-1] != param[-1]):
                 return None
             info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
             window = _Window(self._handle(info.relative_path), info.offset, info.length)
@@ -174,9 +195,10 @@ class DcpReader:
                                        * torch.empty((), dtype=dtype).element_size())
             if start is None:
                 return None
-            slab = (layer - offsets[0]) * sizes[1] * row_bytes if lead else 0
-            runs.append(RowRun(offsets[lead], offsets[lead] + sizes[lead],
-                               self.ckpt_dir / info.relative_path, info.offset + start + slab))
+            local = torch.Size(sizes[lead:]).numel() * element  # the chunk's bytes per layer
+            slab = (layer - offsets[0]) * local if lead else 0
+            runs += _chunk_runs(param, offsets[lead:], sizes[lead:], element,
+                                self.ckpt_dir / info.relative_path, info.offset + start + slab)
         return RowLayout(torch.Size(param), dtype, tuple(sorted(runs, key=lambda r: r.start)))
 
     def read_region(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],

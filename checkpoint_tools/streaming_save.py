@@ -24,7 +24,6 @@ from checkpoint_tools.byte_copy import (
     Extent,
     NotRows,
     RowLayout,
-    RowRun,
     cut_extents,
     kernel_copy_filesystem,
     trace_rows,
@@ -126,8 +125,7 @@ class ChunkSource:
         sources = {role: self.checkpoint.open(hf) for role, hf in resolved.hf_names.items()}
         if any(s.data_start is None for s in sources.values()):
             return None
-        layouts = {role: RowLayout(s.shape, s.dtype, (RowRun(0, int(s.shape[0]) if s.shape else 0,
-                                                             Path(s.file), s.data_start),))
+        layouts = {role: RowLayout.whole(s.shape, s.dtype, Path(s.file), s.data_start)
                    for role, s in sources.items()}
         try:
             return trace_rows(layouts, lambda tracers: {"": resolved.mapping.hf_to_megatron(
