@@ -148,3 +148,15 @@ def test_safetensors_header_padding_places_the_hinted_tensor_page_congruent(tmp_
     assert (big_start + 32) % 4096 == 1004 and big_start % 4 == 0
     loaded = load_file(str(path))
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+
+def test_rows_of_a_chunk_split_along_a_middle_dim():
+    """Stacked experts (E, 2*ffn, hidden) stored as gate / up chunks split along dim 1: each
+    expert's rows of a chunk are one run; rows are numbered in the whole tensor's order."""
+    from checkpoint_tools.dcp_reader import _chunk_runs
+
+    up = _chunk_runs((3, 4, 5), (0, 2, 0), (3, 2, 5), 4, Path("f"), 1000)
+    assert [(r.start, r.stop, r.offset) for r in up] == [(2, 4, 1000), (6, 8, 1040),
+                                                          (10, 12, 1080)]
+    assert [(r.start, r.stop) for r in _chunk_runs((6, 5), (2, 0), (3, 5), 4, Path("f"), 0)] == [
+        (2, 5)]
