@@ -52,20 +52,19 @@ class AsyncRollout:
     def __init__(self, workers: Any) -> None:
         self.handles, self.names = list(workers.handles), list(workers.names)
 
-    def _each(self, method: str, per_engine: Sequence[tuple] | None = None) -> list[Any]:
-        args = per_engine or [()] * len(self.handles)
-        refs = [getattr(h, method).remote(*a) for h, a in zip(self.handles, args, strict=True)]
-        return wait_all(refs, self.names, f"rollout.{method}", timeout_s=CALL_TIMEOUT_S)
+    def _wait(self, refs: list[Any], call: str) -> list[Any]:
+        return wait_all(refs, self.names, call, timeout_s=CALL_TIMEOUT_S)
 
     def submit(self, items: Sequence[tuple[int, list[int]]], sampling: SamplingSettings,
                seed: int) -> None:
         shares: list[list[tuple[int, list[int]]]] = [[] for _ in self.handles]
         for key, ids in items:
             shares[key % len(self.handles)].append((key, ids))
-        self._each("submit", [(share, sampling, seed) for share in shares])
+        self._wait([h.submit.remote(share, sampling, seed)
+                    for h, share in zip(self.handles, shares, strict=True)], "rollout.submit")
 
     def counts(self) -> list[dict[str, int]]:
-        return self._each("counts")
+        return self._wait([h.counts.remote() for h in self.handles], "rollout.counts")
 
     def take(self, count: int, *, timeout_s: float) -> list[RolloutGroup]:
         """`count` completed groups, oldest first per engine, polling every engine."""
