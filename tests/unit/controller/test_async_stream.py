@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rlhf_megatron.controller.async_stream import PromptStream
 from rlhf_megatron.data.prompts import PromptLoader
