@@ -55,7 +55,7 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
     for name, engine in _engines(cfg):
         _wrap(f"{name}.engine", engine.validate)
     _wrap("reward", cfg.reward.validate)
-    _wrap("environment", cfg.environment.validate)
+    _wrap("environment", lambda: cfg.environment.validate(cfg))
     _wrap("rollout.sampling", cfg.rollout.sampling.validate)
     _wrap("rollout.val_sampling", cfg.rollout.val_sampling.validate)
     check_finite(cfg)

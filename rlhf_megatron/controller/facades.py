@@ -235,6 +235,23 @@ class RolloutGroup(_Facade):
                           [f for r in results for f in r.finish_reasons],
                           next(iter(versions.values())), seconds)
 
+    def run_episodes(self, samples: Sequence[dict], env_cfg: Any,
+                     sampling: SamplingSettings) -> tuple[TokenBatch, dict[str, float]]:
+        """Multi-turn episodes (issue 15), samples split over the engines like generate(); the
+        engines' metrics are averaged weighted by their episode counts."""
+        handles, names = self.workers.handles, self.workers.names
+        bounds = [round(i * len(samples) / len(handles)) for i in range(len(handles) + 1)]
+        refs, used = [], []
+        for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            if hi > lo:
+                refs.append(handles[engine].run_episodes.remote(
+                    list(samples[lo:hi]), env_cfg, sampling, lo))
+                used.append(names[engine])
+        results = wait_all(refs, used, "rollout.run_episodes")
+        total = sum(len(b) for b, _ in results)
+        metrics = {k: sum(m[k] * len(b) for b, m in results) / total for k in results[0][1]}
+        return TokenBatch.concat([b for b, _ in results]), metrics
+
     def sleep(self) -> None:
         """Free the KV cache (GPU) while the trainer runs."""
         self._each.sleep()

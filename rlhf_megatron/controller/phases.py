@@ -17,6 +17,7 @@ The loop itself is in controller/trainer.py.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -103,6 +104,24 @@ def generate(run: Run, prompts: Sequence[list[int]], sampling: SamplingSettings,
         "response/length_max": float(lengths.max()),
         "response/clip_ratio": sum(f == "length" for f in finish) / max(len(finish), 1),
     }
+
+
+def generate_episodes(run: Run, rows: Sequence[PromptRow],
+                      seed: int) -> tuple[TokenBatch, torch.Tensor, dict[str, float]]:
+    """Multi-turn episodes (environment: section, rollout/episodes.py) for the step's prompt rows:
+    the batch (loss_mask 1 on generated tokens only, per-turn rewards in field
+    "episode_rewards"), the (bs,) episode rewards and the episode/* metrics."""
+    sampling = dataclasses.replace(run.cfg.rollout.sampling, seed=seed)
+    samples = [{"prompt": r.prompt, "answer": r.answer, "data_source": r.data_source}
+               for r in rows]
+    start = time.perf_counter()
+    batch, metrics = run.groups.rollout.run_episodes(samples, run.cfg.environment, sampling)
+    scores = batch.fields.pop("scores")
+    batch = batch.with_fields(episode_rewards=batch.fields.pop("token_level_rewards"))
+    metrics["rollout/tokens_per_s"] = float(batch.loss_mask.sum()) / max(
+        time.perf_counter() - start, 1e-9)
+    metrics["batch/sequences"] = float(len(batch))
+    return batch, scores, metrics
 
 
 def decode_responses(run: Run, batch: TokenBatch) -> list[str]:
@@ -193,6 +212,8 @@ def compute_advantages_phase(run: Run, batch: TokenBatch,
     shaped, shaping = shape_overlong(scores, batch.loss_mask.sum(-1), cfg.overlong_shaping,
                                      run.cfg.rollout.sampling.max_tokens)  # DAPO; off: as is
     token_scores[torch.arange(len(batch)), last] = shaped.float()
+    if batch.fields.get("episode_rewards") is not None:  # multi-turn: each turn's own reward
+        token_scores = batch.fields["episode_rewards"].float()
     metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if
                len(scores) > 1 else 0.0, "reward/max": float(scores.max()),
                "reward/min": float(scores.min()), **shaping}

@@ -39,13 +39,19 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
         with timer.phase("generate"):
             if cfg.algorithm.dynamic_sampling.enabled:  # DAPO: rounds until the batch is full
                 batch, scores, m = dynamic_sampling.generate_full_batch(run, seed)
+            elif cfg.environment.enabled:  # multi-turn episodes (issue 15)
+                rows, _ = phases.next_prompts(run)
+                metrics.update(phases.before_generate(run))
+                batch, episode_scores, m = phases.generate_episodes(run, rows, seed)
+                metrics.update(phases.after_generate(run))
+                scores = phases._Done(episode_scores)
             else:
                 rows, prompts = phases.next_prompts(run)
                 metrics.update(phases.before_generate(run))
                 batch, m = phases.generate(run, prompts, cfg.rollout.sampling, seed)
                 metrics.update(phases.after_generate(run))
             metrics.update(m)
-        if not cfg.algorithm.dynamic_sampling.enabled:
+        if not cfg.algorithm.dynamic_sampling.enabled and not cfg.environment.enabled:
             scores = phases.score_async(run, batch, rows)
 
         with timer.phase("logprobs"):

@@ -25,8 +25,20 @@ class EnvironmentConfig:
     tool_workers: int = 4
     """Threads that run environment steps (tool calls) beside generation."""
 
-    def validate(self) -> None:
-        """Check the limits and that the environment class loads (one-line ConfigError)."""
+    def validate(self, train_cfg: Any = None) -> None:
+        """Check the limits, that the environment class loads, and (given the whole TrainConfig)
+        that the run uses what episodes support: sync rollouts, no dynamic sampling, no reward
+        model (one-line ConfigError)."""
+        if self.path is not None and train_cfg is not None:
+            if getattr(train_cfg.trainer, "rollout_mode", "sync") != "sync":
+                raise ConfigError("environment.path needs trainer.rollout_mode=sync (multi-turn "
+                                  "episodes run on the synchronous engine for now)")
+            if train_cfg.algorithm.dynamic_sampling.enabled:
+                raise ConfigError("environment.path cannot be combined with "
+                                  "algorithm.dynamic_sampling.enabled")
+            if train_cfg.reward_model.path is not None:
+                raise ConfigError("environment.path: the environment gives the rewards; unset "
+                                  "reward_model.path")
         for name in ("max_turns", "max_tokens_per_turn", "max_tokens_per_episode", "tool_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

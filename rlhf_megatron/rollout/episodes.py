@@ -275,3 +275,30 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "episode/truncated_frac": sum(e.truncated for e in episodes) / n,
         "episode/reward_mean": sum(e.reward for e in episodes) / n,
     }
+
+
+def run_episodes_on_engine(engine: Any, cfg: EnvironmentConfig, samples: Sequence[dict[str, Any]],
+                           sampling: Any, first_prompt: int = 0) -> tuple[TokenBatch, dict[str, float]]:
+    """``sampling.n`` episodes per sample on one VllmRolloutEngine (prompt-major order, rows
+    numbered ``prompt_index = first_prompt + sample``): the batch (episodes_to_batch, whose
+    ``scores`` field holds each episode's summed reward) and episode_metrics."""
+    import transformers
+
+    from rlhf_megatron.environments.loader import load_environment
+    from rlhf_megatron.rollout.vllm_engine import prompt_seed
+
+    chat = ChatFormat(transformers.AutoTokenizer.from_pretrained(str(engine.hf_dir)))
+    seeded = sampling if sampling.seed is None else _with_seed(
+        sampling, prompt_seed(sampling.seed, first_prompt))
+    runner = EpisodeRunner(load_environment(cfg.path), cfg, chat, vllm_turn_generator(engine, seeded))
+    repeated = [s for s in samples for _ in range(sampling.n)]
+    episodes = runner.run(repeated)
+    for i, e in enumerate(episodes):
+        e.sample_index = first_prompt + i // sampling.n
+    return episodes_to_batch(episodes), episode_metrics(episodes)
+
+
+def _with_seed(sampling: Any, seed: int | None) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(sampling, seed=seed)
