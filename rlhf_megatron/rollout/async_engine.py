@@ -26,7 +26,6 @@ scripts that build this engine need `if __name__ == "__main__":`.
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
 import threading
 import time
@@ -42,7 +41,7 @@ import torch
 from rlhf_megatron.errors import ConfigError, WorkerFailure
 from rlhf_megatron.platform import current_platform
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
-from rlhf_megatron.rollout.vllm_engine import prompt_seed
+from rlhf_megatron.rollout.vllm_engine import prompt_seed, vllm_engine_kwargs
 
 _EXTENSION = "rlhf_megatron.rollout.async_worker_ext.RolloutWeightLoader"
 _DEAD = "rollout engine died: vLLM's engine process is gone (EngineDeadError)"
@@ -143,24 +142,14 @@ class AsyncRolloutEngine:
         return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
 
     async def _start(self) -> Any:
-        if not self.platform.is_cuda:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs: dict[str, Any] = dict(
-            model=str(self.hf_dir), dtype=self.config.dtype, seed=self.config.seed,
-            max_model_len=self.config.max_model_len,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            enforce_eager=not self.platform.is_cuda, worker_extension_cls=_EXTENSION,
-            **self.config.extra_engine_args,
-        )
-        if self.awaiting_weights:
-            kwargs["load_format"] = "dummy"
+        kwargs = vllm_engine_kwargs(self.hf_dir, self.config, self.platform.is_cuda,
+                                    self.awaiting_weights)
+        kwargs["worker_extension_cls"] = _EXTENSION
         if self.config.tensor_parallel_size == 1:
             kwargs["distributed_executor_backend"] = "uni"  # the model in EngineCore's process
-        if self.platform.is_cuda:
-            kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     def shutdown(self) -> None:

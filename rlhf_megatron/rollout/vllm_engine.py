@@ -45,6 +45,24 @@ class RolloutResult:
 _SEED_STRIDE = 100_003
 
 
+def vllm_engine_kwargs(hf_dir: Path, config: RolloutConfig, on_cuda: bool,
+                       awaiting_weights: bool) -> dict[str, Any]:
+    """vLLM engine arguments shared by the batch (LLM) and the async (AsyncLLM) engine. On CPU
+    it also sets the KV-cache size vLLM reads from the environment."""
+    if not on_cuda:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
+    kwargs: dict[str, Any] = dict(
+        model=str(hf_dir), dtype=config.dtype, seed=config.seed,
+        max_model_len=config.max_model_len, tensor_parallel_size=config.tensor_parallel_size,
+        enforce_eager=not on_cuda, **config.extra_engine_args,
+    )
+    if awaiting_weights:
+        kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
+    if on_cuda:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    return kwargs
+
+
 def prompt_seed(seed: int | None, prompt: int) -> int | None:
     """The sampling seed of prompt number `prompt` of a step whose seed is `seed` (None: unseeded).
     Every prompt gets its own stream; vLLM offsets the n samples of one prompt from it, so the
@@ -78,21 +96,12 @@ class VllmRolloutEngine:
         self.llm = self._start()
 
     def _start(self) -> Any:
-        if not self.platform.is_cuda:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
         from vllm import LLM
 
-        kwargs: dict[str, Any] = dict(
-            model=str(self.hf_dir), dtype=self.config.dtype, seed=self.config.seed,
-            max_model_len=self.config.max_model_len,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            enforce_eager=not self.platform.is_cuda, **self.config.extra_engine_args,
-        )
-        if self.awaiting_weights:
-            kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
+        kwargs = vllm_engine_kwargs(self.hf_dir, self.config, self.platform.is_cuda,
+                                    self.awaiting_weights)
         if self.platform.is_cuda:
-            kwargs.update(gpu_memory_utilization=self.config.gpu_memory_utilization,
-                          enable_sleep_mode=self.config.enable_sleep_mode)
+            kwargs["enable_sleep_mode"] = self.config.enable_sleep_mode
         return LLM(**kwargs)
 
     # ------------------------------------------------------------------ generation
