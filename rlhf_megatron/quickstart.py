@@ -27,17 +27,21 @@ def task_vocabulary() -> list[str]:
     return [*SPECIAL_TOKENS, *(str(n) for n in range(19)), "+", "="]
 
 
-def write_tokenizer(out_dir: Path) -> object:
-    """A word-level HF fast tokenizer over the task vocabulary (no hub download)."""
+def write_tokenizer(out_dir: Path, words: list[str] | None = None,
+                    chat_template: str | None = None) -> object:
+    """A word-level HF fast tokenizer (no hub download) over `words`, by default the task
+    vocabulary; `chat_template` is saved with it when given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(task_vocabulary())}
+    vocab = {token: i for i, token in enumerate(words or task_vocabulary())}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
                                  bos_token="<bos>", eos_token="<eos>")
+    if chat_template is not None:
+        hf.chat_template = chat_template
     hf.save_pretrained(str(out_dir))
     return hf
 

@@ -31,17 +31,8 @@ def vocabulary() -> list[str]:
 
 
 def write_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(vocabulary())}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
-                                 bos_token="<bos>", eos_token="<eos>")
-    hf.chat_template = CHAT_TEMPLATE
-    hf.save_pretrained(str(out_dir))
+    """The RL quickstart's word-level tokenizer over this vocabulary, with the chat template."""
+    rl_quickstart.write_tokenizer(out_dir, vocabulary(), CHAT_TEMPLATE)
 
 
 def write_model(out_dir: Path, seed: int) -> None:
