@@ -37,7 +37,12 @@ def _episodes_job(hf_dir: str, env_spec: str) -> dict:
     from rlhf_megatron.environments.config import EnvironmentConfig
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
     from rlhf_megatron.rollout.episodes import (
-        ChatFormat, EpisodeRunner, episode_metrics, episodes_to_batch, vllm_turn_generator)
+        ChatFormat,
+        EpisodeRunner,
+        episode_metrics,
+        episodes_to_batch,
+        vllm_turn_generator,
+    )
 
     engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0))
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)

@@ -92,7 +92,7 @@ def test_tool_then_answer_scores_one():
     assert not done and reward == 0.1 and obs[0]["content"] == sample["answer"]
     assert env.step(f"<answer>{sample['answer']}</answer>") == ([], 1.0, True)
     env.close()
-    assert not env.limits is None
+    assert env._sandbox is None  # close() removed the sandbox directory
 
 
 def test_json_tool_call_format():
