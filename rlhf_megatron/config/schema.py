@@ -219,14 +219,14 @@ class TrainerSection:
     """Checkpoints kept (older ones are deleted)."""
     resume: str = "auto"
     """'auto' (latest complete checkpoint in run_dir, if any), 'never', or a checkpoint path."""
-    val_every: int = 0
-    """Validate every N steps (0: never; needs data.val_files)."""
-    val_before_train: bool = False
-    seed: int = 1
     checkpoint_verify: str = "full"
     """How a checkpoint is checked against its MANIFEST.json before resuming: 'full' (sizes and
     CRC-32 of every file, ~2 GB/s), 'size' (sizes only), 'off'. resume=auto falls back to the
     previous complete checkpoint when the newest fails."""
+    val_every: int = 0
+    """Validate every N steps (0: never; needs data.val_files)."""
+    val_before_train: bool = False
+    seed: int = 1
     """Seeds sampling (per step) and the engines."""
     dump_batch_steps: list[int] = field(default_factory=list)
     """Diagnosis and tests: after the advantages of these steps, write the step's batch (token

@@ -52,14 +52,14 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
         return validate_offline_config(cfg, check_paths=check_paths)
     _check_algorithm(cfg)
     _check_trainer(cfg)
+    check_finite(cfg)
+    check_layout_values(cfg)
     for name, engine in _engines(cfg):
         _wrap(f"{name}.engine", engine.validate)
     _wrap("reward", cfg.reward.validate)
     _wrap("environment", lambda: cfg.environment.validate(cfg))
     _wrap("rollout.sampling", cfg.rollout.sampling.validate)
     _wrap("rollout.val_sampling", cfg.rollout.val_sampling.validate)
-    check_finite(cfg)
-    check_layout_values(cfg)
     if check_paths:
         _check_paths(cfg)
     hf_config = model_hf_config(cfg, check_paths=check_paths)
@@ -136,6 +136,10 @@ def _check_trainer(cfg: TrainConfig) -> None:
             raise ConfigError(f"trainer.{key}={getattr(t, key)} must be >= 0")
     if not t.run_dir:
         raise ConfigError("trainer.run_dir must be set")
+    blocker = next((p for p in (Path(t.run_dir), *Path(t.run_dir).parents)
+                    if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"trainer.run_dir={t.run_dir}: {blocker} is a file, not a directory")
     if (t.val_every or t.val_before_train) and not cfg.data.val_files:
         raise ConfigError("trainer.val_every/val_before_train need data.val_files")
     if cfg.data.prompts_per_step < 1 or cfg.data.max_prompt_length < 1:
@@ -144,10 +148,6 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if cfg.rollout.num_engines < 1 or cfg.rollout.bucket_mb < 1:
         raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}, bucket_mb="
                           f"{cfg.rollout.bucket_mb}: both must be >= 1")
-    blocker = next((p for p in (Path(t.run_dir), *Path(t.run_dir).parents)
-                    if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ConfigError(f"trainer.run_dir={t.run_dir}: {blocker} is a file, not a directory")
     _one_of("rollout.refit_transport", cfg.rollout.refit_transport, ("auto", "local", "broadcast"))
     if cfg.ray.startup_timeout_s <= 0:
         raise ConfigError(f"ray.startup_timeout_s={cfg.ray.startup_timeout_s} must be > 0")

@@ -43,8 +43,8 @@ from rlhf_megatron.data.prompts import PromptLoader, PromptRow
 from rlhf_megatron.engines.actor import PolicyUpdateSettings
 from rlhf_megatron.rewards import RewardManager
 from rlhf_megatron.rollout import SamplingSettings
-from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 from rlhf_megatron.rollout.async_batch import logprob_diff_by_lag
+from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
 
 @dataclass
