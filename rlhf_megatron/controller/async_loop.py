@@ -174,14 +174,7 @@ def train_steps_async(run: Run, store: CheckpointStore, logger: MetricsLogger, s
         rows = [stream.item(g.key)[0] for g in groups]
         metrics.update(_batch_metrics(batch, groups))
         scores = phases.score_async(run, batch, rows)
-        with timer.phase("logprobs"):
-            batch, m = phases.compute_logprobs_and_values(run, batch)
-            metrics.update(m)
-        with timer.phase("reward"):
-            sequence_rewards = scores.result()
-        with timer.phase("advantages"):
-            batch, m = phases.compute_advantages_phase(run, batch, sequence_rewards)
-            metrics.update(m)
+        batch = phases.score_and_advantages(run, step, batch, scores, timer, metrics)
         if run.groups.critic is not None:
             with timer.phase("critic_update"):
                 metrics.update(phases.update_critic(run, batch))

@@ -235,6 +235,25 @@ def compute_advantages_phase(run: Run, batch: TokenBatch,
                              token_level_rewards=rewards), metrics
 
 
+def score_and_advantages(run: Run, step: int, batch: TokenBatch, scores: Any, timer: Any,
+                         metrics: dict[str, float]) -> TokenBatch:
+    """The part of a step every rollout mode shares: old/reference log-probs and values, the
+    (bs,) sequence rewards from `scores` (a Future), then the advantages; `timer` (a
+    PhaseTimer) times each phase and `metrics` receives theirs. Dumps the batch on the
+    trainer.dump_batch_steps."""
+    with timer.phase("logprobs"):
+        batch, m = compute_logprobs_and_values(run, batch)
+        metrics.update(m)
+    with timer.phase("reward"):
+        sequence_rewards = scores.result()
+    with timer.phase("advantages"):
+        batch, m = compute_advantages_phase(run, batch, sequence_rewards)
+        metrics.update(m)
+    if step in run.cfg.trainer.dump_batch_steps:
+        dump_batch(run, step, batch, sequence_rewards)
+    return batch
+
+
 def dump_batch(run: Run, step: int, batch: TokenBatch, scores: torch.Tensor) -> Path:
     """trainer.dump_batch_steps: save the batch as the updates will see it, with the (bs,)
     sequence scores, to <run_dir>/batches/step_<N>.pt."""

@@ -54,16 +54,7 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
         if not cfg.algorithm.dynamic_sampling.enabled and not cfg.environment.enabled:
             scores = phases.score_async(run, batch, rows)
 
-        with timer.phase("logprobs"):
-            batch, m = phases.compute_logprobs_and_values(run, batch)
-            metrics.update(m)
-        with timer.phase("reward"):
-            sequence_rewards = scores.result()
-        with timer.phase("advantages"):
-            batch, m = phases.compute_advantages_phase(run, batch, sequence_rewards)
-            metrics.update(m)
-        if step in trainer.dump_batch_steps:
-            phases.dump_batch(run, step, batch, sequence_rewards)
+        batch = phases.score_and_advantages(run, step, batch, scores, timer, metrics)
 
         if run.groups.critic is not None:
             with timer.phase("critic_update"):
