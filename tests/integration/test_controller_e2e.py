@@ -218,7 +218,9 @@ def test_grpo_multi_token_batch(grpo, assets: Path) -> None:
         expected_adv[b, start:start + length] = (scores[b] - peers.mean()) / (peers.std() + 1e-6)
     torch.testing.assert_close(fields["token_level_rewards"], expected_rewards, atol=1e-6, rtol=0)
     torch.testing.assert_close(fields["advantages"], expected_adv, atol=1e-5, rtol=0)
-    for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+    # One optimizer step per batch: the on-policy shortcut skips the old-log-prob forward.
+    assert "old_logprobs" not in fields
+    for name in ("ref_logprobs", "rollout_logprobs"):
         assert not fields[name][dump["loss_mask"] == 0].any(), name
 
 
