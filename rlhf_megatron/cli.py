@@ -1,6 +1,6 @@
 """`rlhf-megatron`: the trainer's command line.
 
-    rlhf-megatron train --config FILE [key=value ...]   # PPO/GRPO training (Ray controller)
+    rlhf-megatron train --config FILE [key=value ...]   # PPO/GRPO/DAPO, SFT/DPO/KTO (Ray controller)
     rlhf-megatron plan --config FILE --nodes N --gpus-per-node G --gpu-mem-gb M
     rlhf-megatron checkpoints RUN_DIR                    # a run's checkpoints and their status
     rlhf-megatron version                                # package/stack versions, device
@@ -55,8 +55,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _add_train(commands: Any) -> None:
     train = commands.add_parser(
-        "train", help="run PPO/GRPO training from a YAML config",
-        description="Run PPO or GRPO training. The YAML file sets values on the config schema "
+        "train", help="run RL (PPO/GRPO/DAPO) or offline (SFT/DPO/KTO) training from a YAML config",
+        description="Run training: algorithm.name grpo or ppo (RL with vLLM rollouts; "
+                    "trainer.rollout_mode sync, one_step_off or async; environment.path for "
+                    "multi-turn episodes with tools), or sft, dpo, kto (offline, on the actor "
+                    "engine, no rollout). The YAML file sets values on the config schema "
                     "(rlhf_megatron/config/schema.py, documented per field); key=value arguments "
                     "override it, e.g. trainer.total_steps=20 actor.layout.tp=2. The run "
                     "directory (trainer.run_dir) gets config.yaml, metrics.jsonl, tensorboard/, "
@@ -105,7 +108,8 @@ def _add_checkpoints(commands: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf-megatron",
-        description="Megatron-Core-backed PPO/GRPO trainer for LLMs (vLLM rollouts, Ray controller).",
+        description="Megatron-Core-backed RL (PPO/GRPO) and SFT/DPO/KTO trainer for LLMs (vLLM "
+                    "rollouts, Ray controller).",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     version = commands.add_parser("version", help="print package/stack versions and the device")
