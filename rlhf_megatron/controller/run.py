@@ -202,7 +202,7 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
         pools = reserve_pools(cfg, plan, cfg.ray.startup_timeout_s)
         _say(f"pools {dict(plan.pools)} ({cfg.resources.mode}); starting workers")
         groups = build_groups(cfg, plan, pools)
-        pids = [pid for group in groups.all() for pid in group.call("ping")]
+        pids = groups.pids()
         _say(f"workers ready in {time.perf_counter() - start:.1f}s")
         run = Run(cfg, groups, tokenizer, rewards, kl_controller, loader, val_items)
         start_step = _first_step(run, store, resume_from)
