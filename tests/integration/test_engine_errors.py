@@ -47,6 +47,7 @@ def test_bad_engine_input_gives_one_line_errors(tmp_path):
     assert messages["too_long"] == "a sequence of 12 tokens exceeds max_sequence_length=8"
     assert messages["indivisible"] == "micro_batch_size=3 does not divide the batch of 4 rows"
     assert messages["budget"] == "a sequence of 12 tokens exceeds max_tokens_per_micro_batch=10"
-    assert messages["missing_field"] == "update_policy needs batch field 'old_logprobs'"
+    # old_logprobs is optional (the on-policy shortcut uses the update's own); advantages is not
+    assert messages["missing_field"] == "update_policy needs batch field 'advantages'"
     assert messages["bad_dtype"].startswith("engine.dtype='fp8'")
     assert all("\n" not in m for m in messages.values())
