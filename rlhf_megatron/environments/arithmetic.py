@@ -47,6 +47,19 @@ def make_arithmetic_samples(count: int, seed: int = 0) -> list[dict[str, Any]]:
     return samples
 
 
+def make_small_arithmetic_samples(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` samples of the tools quickstart's word-level task: prompt ``"a * b + c"`` (words
+    separated by spaces, a and b in 2..9, c in 1..9), answer a*b + c (at most 90). 512 distinct
+    questions: a 2-layer model does not learn their table in a few dozen RL steps, but it can copy
+    the question into a tool call and the tool's output into its answer."""
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(count):
+        a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 9)
+        samples.append({"prompt": f"{a} * {b} + {c}", "answer": str(a * b + c)})
+    return samples
+
+
 def extract_code(text: str) -> str | None:
     """The code of the first tool call in ``text`` (tag or JSON tool-call format), else None."""
     match = _PYTHON.search(text)
@@ -72,23 +85,27 @@ class ArithmeticToolEnv(Environment):
     Args:
         limits: the Python tool's limits (dict of SandboxLimits fields or the dataclass).
         tool_bonus: reward added once for the first successful tool call.
+        system_prompt: the opening system message (the protocol in words); None or "" for none
+            (the tools quickstart's word-level tokenizer has no English words).
     """
 
     def __init__(self, limits: SandboxLimits | dict[str, Any] | None = None,
-                 tool_bonus: float = 0.0, **kwargs: Any) -> None:
+                 tool_bonus: float = 0.0, system_prompt: str | None = SYSTEM_PROMPT,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if isinstance(limits, dict):
             limits = SandboxLimits(**limits)
         self.limits = limits or SandboxLimits()
         self.tool_bonus = float(tool_bonus)
+        self.system_prompt = system_prompt
         self.answer: str | None = None
         self._sandbox: PythonSandbox | None = None
         self._bonus_paid = False
 
     def reset(self, sample: dict[str, Any]) -> list[Message]:
         self.answer = str(sample["answer"]).strip()
-        return [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": str(sample["prompt"])}]
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": str(sample["prompt"])}]
 
     def step(self, assistant_turn: str) -> StepResult:
         answer = _ANSWER.search(assistant_turn)

@@ -1,30 +1,70 @@
-"""Assets of the tools quickstart (configs/quickstart_tools_cpu.yaml): a tiny random Llama with a
-byte-level BPE tokenizer (rlhf_megatron.testing.tiny_models) and the arithmetic task files.
+"""Assets of the tools quickstart (configs/quickstart_tools_sft_cpu.yaml, then
+configs/quickstart_tools_cpu.yaml): the RL quickstart's tiny random Llama
+(``rlhf_megatron.quickstart.write_model``) over a word-level tokenizer with a chat template
+(``write_tokenizer``), the word-level ``arithmetic_tool`` task, and SFT demonstrations.
 
     python -m rlhf_megatron.environments.quickstart --out outputs/quickstart_tools_assets
+
+Writes model/, train.jsonl / val.jsonl (``{"prompt": "7 * 8 + 3", "answer": "59"}``) and
+sft.jsonl: one conversation per training question, a share ``tool_fraction`` of them calling the
+tool (``<python> print( 7 * 8 + 3 ) </python>``, tool output ``59``, ``<answer> 59 </answer>``) and
+the rest answering at once (``<answer> 59 </answer>``). A short SFT on them teaches the format
+and the copying, and leaves the model calling the tool on about that share of episodes; GRPO
+then raises the tool-use rate because answers after a tool call are right more often
+(docs/ENVIRONMENTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
+from typing import Any
 
-from rlhf_megatron.environments.arithmetic import make_arithmetic_samples
+from rlhf_megatron import quickstart as rl_quickstart
+from rlhf_megatron.environments.arithmetic import make_small_arithmetic_samples
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 as write_model expects
+TOOL_WORDS = ("<system>", "<user>", "<assistant>", "<tool>", "<python>", "</python>", "<answer>",
+              "</answer>", "print(", ")", "*", "+", "Error:")
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
 
 
-def prepare(out: Path, seed: int = 0, train: int = 512, val: int = 32) -> Path:
-    """Write model/, train.jsonl and val.jsonl (arithmetic_tool samples) under ``out``."""
-    from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
+def vocabulary() -> list[str]:
+    return [*SPECIAL_TOKENS, *TOOL_WORDS, *(str(n) for n in range(100))]
 
-    out.mkdir(parents=True, exist_ok=True)
-    write_tiny_hf_checkpoint(out / "model", "LlamaForCausalLM", seed=seed)
-    samples = make_arithmetic_samples(train + val, seed=seed)
+
+def demonstration(sample: dict[str, Any], use_tool: bool) -> list[dict[str, str]]:
+    """One SFT conversation for ``sample``: with a tool call, or answering at once."""
+    question, answer = sample["prompt"], sample["answer"]
+    messages = [{"role": "user", "content": question}]
+    if use_tool:
+        messages += [{"role": "assistant", "content": f"<python> print( {question} ) </python>"},
+                     {"role": "tool", "content": answer}]
+    return [*messages, {"role": "assistant", "content": f"<answer> {answer} </answer>"}]
+
+
+def prepare(out: Path, seed: int = 0, train: int = 512, val: int = 32,
+            tool_fraction: float = 0.5) -> Path:
+    """Write model/, train.jsonl, val.jsonl and sft.jsonl under ``out``."""
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    rl_quickstart.write_tokenizer(model_dir, vocabulary(), CHAT_TEMPLATE)
+    rl_quickstart.write_model(model_dir, seed, vocab_size=len(vocabulary()))
+    samples = make_small_arithmetic_samples(train + val, seed=seed)
     for name, part in (("train", samples[:train]), ("val", samples[train:])):
-        (out / f"{name}.jsonl").write_text("".join(
-            json.dumps({**s, "data_source": "arithmetic_tool"}) + "\n" for s in part))
+        _write(out / f"{name}.jsonl", [{**s, "data_source": "arithmetic_tool"} for s in part])
+    rng = random.Random(seed + 1)
+    _write(out / "sft.jsonl", [{"messages": demonstration(s, rng.random() < tool_fraction)}
+                               for s in samples[:train]])
     return out
+
+
+def _write(path: Path, records: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/quickstart_tools_assets"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool-fraction", type=float, default=0.5,
+                        help="share of SFT demonstrations that call the tool (default 0.5)")
     args = parser.parse_args(argv)
-    print(f"tools quickstart assets in {prepare(args.out, args.seed)}")
+    out = prepare(args.out, args.seed, tool_fraction=args.tool_fraction)
+    print(f"tools quickstart assets in {out}")
     return 0
 
 

@@ -240,6 +240,26 @@ class AsyncRolloutEngine:
             if out.finished:
                 record.finish_reason = str(completion.finish_reason)
 
+    async def generate_turn(self, prompt: list[int], params: Any) -> SampleRecord:
+        """One request on the engine's loop (an episode's turn, rollout/async_episodes.py):
+        vLLM's ids, behaviour log-probs and weight versions as they stream (DELTA outputs; a
+        refit pause freezes it like any other request). Await it from a coroutine run with
+        :meth:`run_coroutine`; other requests keep generating meanwhile."""
+        record = SampleRecord()
+        with self._cond:
+            self._streaming.append(record)
+        try:
+            await self._stream(prompt, params, record)
+        finally:
+            with self._cond:
+                self._streaming = [s for s in self._streaming if s is not record]
+        return record
+
+    def run_coroutine(self, coro: Coroutine) -> Any:
+        """Run ``coro`` on the engine's loop and wait for its result (no time limit)."""
+        self._check_ready()
+        return self._call(coro, timeout=None)
+
     def generate_groups(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
                         seed: int | None, *, first_key: int = 0) -> list[RolloutGroup]:
         """Generate now, outside the buffer (validation, sync use); keys first_key + i."""

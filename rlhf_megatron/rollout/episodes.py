@@ -75,7 +75,11 @@ class ChatFormat:
                              "the rendering of earlier ones)")
         closing = base_text[base_text.index(_MARK) + len(_MARK):]
         if last_generated is not None and last_generated in self.stop_ids:
+            # The model generated the stop token itself: drop it from what closes the turn, and
+            # the whitespace the template puts before it (a word-level template "... <eos> ").
             stop_text = self.tokenizer.decode([last_generated])
+            if not closing.startswith(stop_text) and closing.lstrip().startswith(stop_text):
+                closing = closing.lstrip()
             closing = closing.removeprefix(stop_text)
         return self.encode(closing + full[len(base_text):])
 
@@ -153,17 +157,22 @@ class EpisodeRunner:
                        [0.0] * len(prompt), env)
 
     def _generate_round(self, ready: list[Episode], pool: ThreadPoolExecutor) -> None:
-        budgets = [min(self.cfg.max_tokens_per_turn,
-                       self.cfg.max_tokens_per_episode - e.episode_tokens) for e in ready]
-        outputs = self.generate([list(e.ids) for e in ready], budgets)
+        outputs = self.generate([list(e.ids) for e in ready], [self._budget(e) for e in ready])
         for e, out in zip(ready, outputs):
-            e.ids += out.token_ids
-            e.loss_mask += [1] * len(out.token_ids)
-            e.logprobs += list(out.logprobs)
-            e.turns += 1
-            text = self.chat.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            e.last_generated = out.token_ids[-1] if out.token_ids else None
-            e.pending = pool.submit(e.env.step, text)
+            e.pending = pool.submit(e.env.step, self._record_turn(e, out))
+
+    def _budget(self, e: Episode) -> int:
+        """max_tokens of the episode's next turn: the turn limit, capped by what is left."""
+        return min(self.cfg.max_tokens_per_turn, self.cfg.max_tokens_per_episode - e.episode_tokens)
+
+    def _record_turn(self, e: Episode, out: TurnOutput) -> str:
+        """Append vLLM's ids and log-probs as they are; the text for the environment only."""
+        e.ids += out.token_ids
+        e.loss_mask += [1] * len(out.token_ids)
+        e.logprobs += list(out.logprobs)
+        e.turns += 1
+        e.last_generated = out.token_ids[-1] if out.token_ids else None
+        return self.chat.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
     def _collect(self, episodes: list[Episode], block: bool) -> None:
         pending = {e.pending: e for e in episodes if e.pending is not None}
@@ -198,13 +207,22 @@ class EpisodeRunner:
 def _step_result(fut: Future, e: Episode) -> StepResult:
     """The environment's step result; an environment that raises ends its episode (reward 0)."""
     try:
-        obs, reward, done = fut.result()
-        return StepResult(list(obs), reward, bool(done))
+        return checked_step(fut.result())
     except Exception as exc:  # a user environment's bug ends only its own episode
-        log.error("environment step raised %s: %s (episode %d ends)", type(exc).__name__,
-                  " ".join(str(exc).split()), e.sample_index)
-        e.env.tool_stats.errors += 1
-        return StepResult([], None, True)
+        return step_failed(exc, e)
+
+
+def checked_step(result: Any) -> StepResult:
+    obs, reward, done = result
+    return StepResult(list(obs), reward, bool(done))
+
+
+def step_failed(exc: BaseException, e: Episode) -> StepResult:
+    """An environment's step raised: logged, counted as a tool error, its episode ends."""
+    log.error("environment step raised %s: %s (episode %d ends)", type(exc).__name__,
+              " ".join(str(exc).split()), e.sample_index)
+    e.env.tool_stats.errors += 1
+    return StepResult([], None, True)
 
 
 def vllm_turn_generator(engine: Any, sampling: Any) -> TurnGenerator:

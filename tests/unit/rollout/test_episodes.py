@@ -135,3 +135,24 @@ def test_environment_that_raises_ends_only_its_episode(chat, caplog):
     assert ep.done and ep.reward == 0.0 and ep.env.tool_stats.errors == 1
     assert any("environment step raised RuntimeError: bug in env" in r.getMessage()
                for r in caplog.records)
+
+
+def test_episode_stream_equals_the_sft_rendering_on_a_word_level_template(tmp_path):
+    """The tools quickstart's template puts a space before <eos> ("... </python> <eos> "): the
+    model's own <eos> closes its turn, and the episode's stream is exactly the ids the SFT warm
+    start trained on (chat template over the whole conversation), with no doubled <eos>."""
+    from rlhf_megatron import quickstart as rl_quickstart
+    from rlhf_megatron.environments.quickstart import CHAT_TEMPLATE, demonstration, vocabulary
+    from rlhf_megatron.offline.datasets import sft_row
+
+    tok = rl_quickstart.write_tokenizer(tmp_path, vocabulary(), CHAT_TEMPLATE)
+    chat = ChatFormat(tok)
+    messages = demonstration({"prompt": "7 * 8 + 3", "answer": "59"}, use_tool=True)
+    row = sft_row(tok, messages, "demo", "messages")
+    turn1 = chat.encode(messages[1]["content"]) + [tok.eos_token_id]
+    turn2 = chat.encode(messages[3]["content"]) + [tok.eos_token_id]
+    stream = (chat.prompt_ids(messages[:1]) + turn1
+              + chat.observation_ids(messages[2:3], tok.eos_token_id) + turn2)
+    assert stream == list(row.ids)
+    generated = [i for i, m in enumerate(row.mask) if m]
+    assert [stream[i] for i in generated] == turn1 + turn2
