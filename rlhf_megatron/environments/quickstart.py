@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_megatron import quickstart as rl_quickstart
-from rlhf_megatron.environments.arithmetic import make_small_arithmetic_samples
+from rlhf_megatron.environments.arithmetic import make_arithmetic_samples
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 as write_model expects
 TOOL_WORDS = ("<system>", "<user>", "<assistant>", "<tool>", "<python>", "</python>", "<answer>",
@@ -54,7 +54,7 @@ def prepare(out: Path, seed: int = 0, train: int = 512, val: int = 32,
     model_dir.mkdir(parents=True, exist_ok=True)
     rl_quickstart.write_tokenizer(model_dir, vocabulary(), CHAT_TEMPLATE)
     rl_quickstart.write_model(model_dir, seed, vocab_size=len(vocabulary()))
-    samples = make_small_arithmetic_samples(train + val, seed=seed)
+    samples = make_arithmetic_samples(train + val, seed=seed, small=True)
     for name, part in (("train", samples[:train]), ("val", samples[train:])):
         _write(out / f"{name}.jsonl", [{**s, "data_source": "arithmetic_tool"} for s in part])
     rng = random.Random(seed + 1)
