@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,22 +52,34 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
 
         return validate_offline_config(cfg, check_paths=check_paths)
     _check_algorithm(cfg)
+    sections = [(f"{name}.engine", engine.validate) for name, engine in _engines(cfg)]
+    sections += [("reward", cfg.reward.validate),
+                 ("environment", lambda: cfg.environment.validate(cfg)),
+                 ("rollout.sampling", cfg.rollout.sampling.validate),
+                 ("rollout.val_sampling", cfg.rollout.val_sampling.validate)]
+    check_sections(cfg, sections, _check_model_fits, check_paths=check_paths)
+    _check_batches(cfg)
+    return plan_devices(cfg)
+
+
+def check_sections(cfg: TrainConfig, sections: list[tuple[str, Callable[[], None]]],
+                   check_model: Callable[[TrainConfig, Any], None], *,
+                   check_paths: bool) -> None:
+    """The checks every algorithm's config runs, in this order (the RL and the offline
+    validators share it): the trainer section; finite values and layout sizes (so a NaN is
+    reported as such, before a section's own check trips on it); each `(key, check)` of
+    `sections`, its error prefixed with `key`; the paths (with `check_paths`); and
+    `check_model(cfg, hf_config)` when the policy's config.json can be read."""
     _check_trainer(cfg)
     check_finite(cfg)
     check_layout_values(cfg)
-    for name, engine in _engines(cfg):
-        _wrap(f"{name}.engine", engine.validate)
-    _wrap("reward", cfg.reward.validate)
-    _wrap("environment", lambda: cfg.environment.validate(cfg))
-    _wrap("rollout.sampling", cfg.rollout.sampling.validate)
-    _wrap("rollout.val_sampling", cfg.rollout.val_sampling.validate)
+    for key, check in sections:
+        _wrap(key, check)
     if check_paths:
         _check_paths(cfg)
     hf_config = model_hf_config(cfg, check_paths=check_paths)
     if hf_config is not None:
-        _check_model_fits(cfg, hf_config)
-    _check_batches(cfg)
-    return plan_devices(cfg)
+        check_model(cfg, hf_config)
 
 
 def _engines(cfg: TrainConfig) -> list[tuple[str, Any]]:

@@ -6,15 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_megatron.config.schema import TrainConfig
-from rlhf_megatron.config.validate import (
-    DevicePlan,
-    _check_paths,
-    _check_trainer,
-    _wrap,
-    check_finite,
-    check_layout_values,
-    model_hf_config,
-)
+from rlhf_megatron.config.validate import DevicePlan, check_sections
 from rlhf_megatron.errors import ConfigError, LayoutError
 from rlhf_megatron.offline.config import DPO_LOSSES, OFFLINE_ALGORITHMS
 
@@ -25,20 +17,17 @@ ROWS_PER_EXAMPLE = {"sft": 1, "dpo": 2, "kto": 1}
 def validate_offline_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan:
     """Check an offline config; return its device plan (the actor's devices only)."""
     _check_settings(cfg)
-    _check_trainer(cfg)
-    check_finite(cfg)
-    check_layout_values(cfg)
+    check_sections(cfg, [("trainer.val_every", lambda: _check_no_validation(cfg)),
+                         ("actor.engine", cfg.actor.engine.validate)],
+                   _check_model, check_paths=check_paths)
+    _check_batches(cfg)
+    return _plan(cfg)
+
+
+def _check_no_validation(cfg: TrainConfig) -> None:
     if cfg.trainer.val_every or cfg.trainer.val_before_train:
         raise ConfigError(f"trainer.val_every: algorithm.name={cfg.algorithm.name!r} has no "
                           "validation pass; set trainer.val_every=0")
-    _wrap("actor.engine", cfg.actor.engine.validate)
-    if check_paths:
-        _check_paths(cfg)
-    hf = model_hf_config(cfg, check_paths=check_paths)
-    if hf is not None:
-        _check_model(cfg, hf)
-    _check_batches(cfg)
-    return _plan(cfg)
 
 
 def _check_settings(cfg: TrainConfig) -> None:
