@@ -173,6 +173,27 @@ def _group_stats(
     return means[inverse], stds[inverse], counts_f[inverse]
 
 
+def _outcome(
+    inputs: AdvantageInputs, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask, rewards, scores (bs,), group_ids) of an outcome estimator that needs groups."""
+    mask, rewards, group_ids = _prepare(inputs, name, "group_ids")
+    return mask, rewards, rewards.sum(dim=-1), group_ids.to(rewards.device)
+
+
+def _group_outcome(inputs: AdvantageInputs, name: str) -> tuple[torch.Tensor, ...]:
+    """(mask, scores, group mean, group std, group size) of an outcome estimator that compares
+    each score with its group's statistics (_group_stats), the last four ``(bs,)``."""
+    mask, _, scores, group_ids = _outcome(inputs, name)
+    return (mask, scores, *_group_stats(scores, group_ids))
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bs,)`` per-response values on every real token, 0 at padding; as (A, A)."""
+    adv = zero_padding(per_seq.unsqueeze(-1).expand(mask.shape), mask)
+    return adv, adv
+
+
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,14 +244,11 @@ def grpo_advantage(
     ``s_i - mean_g`` with ``norm_by_std=False`` (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783).
     Needs ``inputs.group_ids``. Returns ``(A, A)``, both (bs, T).
     """
-    mask, rewards, group_ids = _prepare(inputs, "grpo", "group_ids")
-    scores = rewards.sum(dim=-1)
-    mean, std, _ = _group_stats(scores, group_ids)
+    mask, scores, mean, std, _ = _group_outcome(inputs, "grpo")
     adv = scores - mean
     if config.norm_by_std:
         adv = adv / (std + config.eps)
-    adv = zero_padding(adv.unsqueeze(-1).expand_as(rewards), mask)
-    return adv, adv
+    return _broadcast(adv, mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
@@ -243,25 +261,9 @@ def rloo_advantage(
     ``A_i = s_i - mean_{j != i} s_j = (s_i - mean_g) * n / (n - 1)``; a group of one keeps its raw
     score (verl). Needs ``inputs.group_ids``. Returns ``(A, A)``, both (bs, T).
     """
-    mask, rewards, group_ids = _prepare(inputs, "rloo", "group_ids")
-    scores = rewards.sum(dim=-1)
-    mean, _, n = _group_stats(scores, group_ids)
-    adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
-    adv = zero_padding(adv.unsqueeze(-1).expand_as(rewards), mask)
-    return adv, adv
-
-
-def _outcome(
-    inputs: AdvantageInputs, name: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mask, rewards, scores (bs,), group_ids) of an outcome estimator that needs groups."""
-    mask, rewards, group_ids = _prepare(inputs, name, "group_ids")
-    return mask, rewards, rewards.sum(dim=-1), group_ids.to(rewards.device)
-
-
-def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    adv = zero_padding(per_seq.unsqueeze(-1).expand(mask.shape), mask)
-    return adv, adv
+    mask, scores, mean, _, n = _group_outcome(inputs, "rloo")
+    return _broadcast(torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores),
+                      mask)
 
 
 @ADVANTAGE_ESTIMATORS.register("opo")
@@ -374,11 +376,8 @@ def reinforce_plus_plus_baseline_advantage(
 
     A group of one has mean 0 (verl). Needs ``inputs.group_ids``. Returns ``(A, A)``, (bs, T).
     """
-    mask, rewards, group_ids = _prepare(inputs, "reinforce_plus_plus_baseline", "group_ids")
-    scores = rewards.sum(dim=-1)
-    mean, _, _ = _group_stats(scores, group_ids)
-    adv = zero_padding((scores - mean).unsqueeze(-1).expand_as(rewards), mask)
-    adv = _whiten(adv, mask)
+    mask, scores, mean, _, _ = _group_outcome(inputs, "reinforce_plus_plus_baseline")
+    adv = _whiten(_broadcast(scores - mean, mask)[0], mask)
     return adv, adv
 
 
