@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_batches import padded_prompt_batch
 
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -20,15 +21,7 @@ def hf_dir(tmp_path_factory):
 
 
 def _batch(rows: int = 8, seq: int = 14):
-    from rlhf_megatron.data.batch import TokenBatch
-
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 300, (rows, seq), generator=g)
-    lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
-    attn = (torch.arange(seq) < lengths[:, None]).long()
-    loss_mask = attn.clone()
-    loss_mask[:, :5] = 0  # the prompt
-    return TokenBatch(ids * attn, attn, loss_mask)
+    return padded_prompt_batch(torch.Generator().manual_seed(3), rows, seq)
 
 
 def _hf_token_values(hf_dir: str, batch):

@@ -19,6 +19,7 @@ import dataclasses
 
 import pytest
 import torch
+from engine_batches import padded_prompt_batch
 
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -70,16 +71,7 @@ def _settings(case: dict):
 
 
 def _batch():
-    from rlhf_megatron.data.batch import TokenBatch
-
-    g = torch.Generator().manual_seed(13)
-    rows, seq = 8, 14
-    ids = torch.randint(3, 300, (rows, seq), generator=g)
-    lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
-    attn = (torch.arange(seq) < lengths[:, None]).long()
-    loss_mask = attn.clone()
-    loss_mask[:, :5] = 0  # the prompt
-    return TokenBatch(ids * attn, attn, loss_mask)
+    return padded_prompt_batch(torch.Generator().manual_seed(13))
 
 
 def _hf_forward(model, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_batches import padded_prompt_batch
 
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -23,18 +24,11 @@ METRICS = ("pg_loss", "entropy", "kl_loss", "pg_clipfrac", "ppo_kl")
 
 
 def _batch():
-    from rlhf_megatron.data.batch import TokenBatch
-
     g = torch.Generator().manual_seed(5)
-    rows, seq = 8, 14
-    ids = torch.randint(3, 300, (rows, seq), generator=g)
-    lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=g)
-    attn = (torch.arange(seq) < lengths[:, None]).long()
-    mask = attn.clone()
-    mask[:, :5] = 0  # the prompt
-    return TokenBatch(ids * attn, attn, mask).with_fields(
-        advantages=torch.randn(rows, seq, generator=g) * mask,
-        ref_logprobs=(-5.0 + torch.randn(rows, seq, generator=g)) * mask)
+    batch = padded_prompt_batch(g)
+    mask, shape = batch.loss_mask, batch.loss_mask.shape
+    return batch.with_fields(advantages=torch.randn(shape, generator=g) * mask,
+                             ref_logprobs=(-5.0 + torch.randn(shape, generator=g)) * mask)
 
 
 def _job(hf_dir: str, batch) -> dict:
