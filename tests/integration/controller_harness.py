@@ -103,6 +103,46 @@ def kill_hard(process: subprocess.Popen) -> None:
     time.sleep(2)  # let the raylet notice and reap its workers
 
 
+def titled_processes(title: str, root: int, parent_title: str | None = None) -> list[int]:
+    """Live processes whose command line holds `title`, descended from process `root` (not
+    another run's on this host); with `parent_title`, only those whose parent's holds that."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    parent, args = {}, {}
+    for line in out.splitlines()[1:]:
+        fields = line.split(None, 2)
+        parent[int(fields[0])] = int(fields[1])
+        args[int(fields[0])] = fields[2] if len(fields) == 3 else ""
+
+    def under_root(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 1)
+        return False
+
+    return [pid for pid, text in args.items() if title in text and under_root(pid)
+            and (parent_title is None or parent_title in args.get(parent[pid], ""))]
+
+
+def kill_mid_run(process: subprocess.Popen, run_dir: Path, log: Path,
+                 victims: Callable[[], list[int]], count: int) -> str:
+    """Once the run has logged 2 steps, kill -9 the last of the `count` processes `victims()`
+    finds; the run must end, non-zero, within 60 s of it. Returns the last line of its log."""
+    try:
+        wait_until(lambda: len(read_metrics(run_dir)) >= 2, process, timeout=240)
+        pids = victims()
+        assert len(pids) == count, pids
+        os.kill(pids[-1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        process.wait(timeout=90)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode not in (0, None)
+    return last_line(log.read_text())
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""

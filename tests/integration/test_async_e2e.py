@@ -1,7 +1,7 @@
 """trainer.rollout_mode one_step_off and async through the real CLI, on split pools (one core for
 vLLM, one for the actor at TP=1), on the quickstart task:
 
-- one_step_off learns: mean reward of the last 10 steps >= 0.3 above the first 10;
+- one_step_off learns: mean reward of the last 10 steps >= MARGIN above the first 10;
 - async with max_staleness=1 learns too, through a kill -9 and a resume: the resumed run trains
   every prompt exactly once (no prompt lost or repeated, from async_prompts.jsonl), and every
   trained group is at most 1 version stale;
@@ -12,30 +12,32 @@ vLLM, one for the actor at TP=1), on the quickstart task:
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from controller_harness import (
     RayHead,
     kill_hard,
-    last_line,
+    kill_mid_run,
     read_metrics,
     run_train,
     small_run_overrides,
     start_train,
+    titled_processes,
     wait_until,
 )
 
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 from rlhf_megatron.quickstart import prepare
 
-STEPS = 250
+# Mean reward of steps 1-10 -> 111-120, measured (session 5, 250-step runs cut to 120):
+# one_step_off 0.048 -> 0.249 (+0.20), async across the kill 0.049 -> 0.227 (+0.18); the rise is
+# steady (+0.08 by step 60, +0.34 by step 250). A policy that does not learn moves a 10-step
+# window of 256 samples by ~0.006 (std of one step's mean ~0.013 at p = 0.05), so MARGIN sits
+# ~15 noise widths up and at about half the smaller measured rise.
+STEPS = 120
 WINDOW = 10
-MARGIN = 0.3
+MARGIN = 0.1
 PROMPTS = 16
 SPLIT = {"resources.mode": "split", "resources.devices_per_node": 2,
          "resources.actor_devices": 1, "resources.rollout_devices": 1, "actor.layout.tp": 1}
@@ -115,43 +117,13 @@ def test_async_learns_across_kill_and_resume(assets: Path, tmp_path: Path,
                    and k != "async/staleness_mean") <= 1 for r in records)
 
 
-def _engine_pids(root: int) -> list[int]:
-    """vLLM engine processes (children of an AsyncRolloutWorker) under process `root`."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-    parent, args = {}, {}
-    for line in out.splitlines()[1:]:
-        fields = line.split(None, 2)
-        parent[int(fields[0])] = int(fields[1])
-        args[int(fields[0])] = fields[2] if len(fields) == 3 else ""
-
-    def under_root(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parent.get(pid, 1)
-        return False
-
-    workers = {p for p, a in args.items() if "ray::AsyncRolloutWorker" in a and under_root(p)}
-    return [p for p in args if parent.get(p) in workers and "EngineCore" in args[p]]
-
-
 def test_dead_rollout_engine_ends_an_async_run(assets: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "engine_death"
+    run_dir, log = tmp_path / "engine_death", tmp_path / "engine_death.log"
     process = start_train(_overrides(assets, run_dir, "async", **{"trainer.total_steps": 500}),
-                          tmp_path / "engine_death.log")
-    try:
-        wait_until(lambda: len(read_metrics(run_dir)) >= 2, process, timeout=240)
-        pids = _engine_pids(process.pid)
-        assert len(pids) == 1, pids
-        os.kill(pids[0], signal.SIGKILL)
-        killed_at = time.monotonic()
-        process.wait(timeout=90)
-        assert time.monotonic() - killed_at < 60
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode not in (0, None)
-    line = last_line((tmp_path / "engine_death.log").read_text())
+                          log)
+    # vLLM's engine process, a child of the run's AsyncRolloutWorker.
+    line = kill_mid_run(process, run_dir, log, count=1, victims=lambda: titled_processes(
+        "EngineCore", process.pid, parent_title="ray::AsyncRolloutWorker"))
     # One line, naming the dead engine (seen by the rollout worker, or by the actor's refit).
     assert line.startswith("rlhf-megatron: error:") and "rollout engine" in line \
         and "EngineDeadError" in line, line
