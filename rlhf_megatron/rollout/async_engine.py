@@ -39,9 +39,12 @@ from typing import Any
 import torch
 
 from rlhf_megatron.errors import ConfigError, WorkerFailure
-from rlhf_megatron.platform import current_platform
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
-from rlhf_megatron.rollout.vllm_engine import prompt_seed, vllm_engine_kwargs
+from rlhf_megatron.rollout.vllm_engine import (
+    init_engine_state,
+    prompt_seed,
+    vllm_engine_kwargs,
+)
 
 _EXTENSION = "rlhf_megatron.rollout.async_worker_ext.RolloutWeightLoader"
 _DEAD = "rollout engine died: vLLM's engine process is gone (EngineDeadError)"
@@ -86,20 +89,10 @@ class AsyncRolloutEngine:
     placeholder weights until the first refit), driven from any thread."""
 
     def __init__(self, hf_dir: str | Path, config: RolloutConfig, *, capacity: int = 64) -> None:
-        from checkpoint_tools.common import hf_assets_dir, is_megatron_checkpoint
-        from rlhf_megatron.models.hf_checkpoint import load_hf_config
-
         if capacity < 1:
             raise ConfigError(f"async rollout capacity={capacity} must be >= 1 group")
-        self.platform = current_platform()
-        self.config = config
+        init_engine_state(self, hf_dir, config)
         self.capacity = capacity
-        self.hf_dir = hf_assets_dir(hf_dir)
-        self.hf_config = load_hf_config(self.hf_dir)
-        self.awaiting_weights = is_megatron_checkpoint(hf_dir)
-        config.validate_for_model(self.hf_config, on_cpu=not self.platform.is_cuda)
-        self.weight_version = 0
-        self._updating = False
         self._cond = threading.Condition()
         self._done: deque[RolloutGroup] = deque()
         self._in_flight: dict[int, RolloutGroup] = {}

