@@ -101,6 +101,9 @@ class MegatronEngine:
             cp_comm_type=config.cp_comm_type,
         )
         self.vocab_size = self.args.vocab_size
+        self.is_moe = bool(getattr(self.args.transformer_config, "num_moe_experts", None))
+        if config.moe_aux_loss_coeff is not None:
+            self._override_aux_loss_coeff(config.moe_aux_loss_coeff)
         # 2. Build this rank's chunks and fill them from the HF checkpoint.
         self.chunks = self._build_chunks()
         # 3. Trainable engines: DDP (fp32 main grads), optimizer, LR schedule.
@@ -114,6 +117,14 @@ class MegatronEngine:
                 chunk.eval()
 
     # ------------------------------------------------------------------ building
+    def _override_aux_loss_coeff(self, coeff: float) -> None:
+        """engine.moe_aux_loss_coeff replaces the HF config's router_aux_loss_coef."""
+        if not self.is_moe:
+            raise ConfigError("engine.moe_aux_loss_coeff is set but the model has no experts")
+        tc = self.args.transformer_config
+        tc.moe_aux_loss_coeff = coeff
+        tc.moe_router_load_balancing_type = "aux_loss" if coeff > 0 else "none"
+
     @property
     def from_dist_checkpoint(self) -> bool:
         from rlhf_megatron.models.checkpoint_meta import is_megatron_checkpoint
@@ -185,6 +196,9 @@ class MegatronEngine:
             sgd_momentum=opt.sgd_momentum, clip_grad=opt.clip_grad,
             bf16=tc.bf16, fp16=tc.fp16, params_dtype=tc.params_dtype,
             use_distributed_optimizer=distributed_optimizer,
+            # Megatron's HybridDeviceOptimizer: master weights + moments stepped on the host.
+            optimizer_cpu_offload=opt.cpu_offload and distributed_optimizer,
+            optimizer_offload_fraction=1.0 if opt.cpu_offload and distributed_optimizer else 0.0,
         )
         # On CPU every group is gloo already; Megatron's extra gloo groups were not created.
         self.optimizer = get_megatron_optimizer(
@@ -281,13 +295,15 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ running passes
     def run_micro_batches(
-        self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, forward_only: bool
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, forward_only: bool,
+        routing: Any = None,
     ) -> list[dict[str, Any]]:
         """One pass of Megatron's schedule over `micro_batches`.
 
         Returns loss_fn's per-micro-batch results on the last pipeline stage, [] elsewhere.
         With forward_only=False the gradients accumulate into the DDP buffers (and are
-        all-reduced over DP at the end by finalize_model_grads).
+        all-reduced over DP at the end by finalize_model_grads). `routing`: an MoE model's
+        models.moe_replay.RoutingPass, told before and after each chunk's forward.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -295,8 +311,12 @@ class MegatronEngine:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             micro = next(data_iterator)
+            if routing is not None:
+                routing.before_forward(model, micro)
             output = model(micro.tokens, micro.position_ids, micro.attention_mask,
                            packed_seq_params=micro.packed_seq_params)
+            if routing is not None:
+                routing.after_forward(model, micro)
 
             def on_last_stage(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
                 loss, values = loss_fn(micro, output_tensor)

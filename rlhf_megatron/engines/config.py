@@ -36,8 +36,15 @@ class OptimizerSettings:
     use_distributed_optimizer: bool = True
     """Shard optimizer state over DP where it works: on CUDA and with Adam (Megatron's
     distributed optimizer supports Adam only); elsewhere the plain optimizer is used."""
+    cpu_offload: bool = False
+    """GPU: keep the fp32 master weights and Adam moments on the host and step them there
+    (Megatron's `optimizer_cpu_offload`, all of them: offload fraction 1). Needs Adam and the
+    distributed optimizer; a no-op on CPU. Not run in this repository (no GPU)."""
 
     def validate(self) -> None:
+        if self.cpu_offload and (self.name != "adam" or not self.use_distributed_optimizer):
+            raise ConfigError("optimizer.cpu_offload needs name: adam and "
+                              "use_distributed_optimizer: true")
         if self.name not in ("adam", "sgd"):
             raise ConfigError(f"optimizer.name={self.name!r}: expected 'adam' or 'sgd'")
         if self.lr_decay_style not in ("constant", "cosine"):
@@ -89,6 +96,12 @@ class EngineConfig:
     """Context parallelism through TE attention: 'p2p' (K/V ring, overlapped), 'all_gather',
     'a2a' (Ulysses: heads / tp must divide by cp) or 'a2a+p2p'. Without TE the SDPA attention
     always all-gathers K/V (models/sdpa_cp.py)."""
+    routing_replay: bool = False
+    """MoE actors: record each token's experts in the old-log-prob forward (batch field
+    routed_experts) and route the update's forward through exactly those (models/moe_replay.py).
+    Turns the on-policy shortcut off (the recording needs that forward)."""
+    moe_aux_loss_coeff: float | None = None
+    """MoE: the load-balancing loss coefficient (default: the HF config's router_aux_loss_coef)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -106,4 +119,6 @@ class EngineConfig:
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ConfigError(f"engine.cp_comm_type={self.cp_comm_type!r}: expected one of "
                               f"{list(CP_COMM_TYPES)}")
+        if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
+            raise ConfigError(f"engine.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
         self.optimizer.validate()

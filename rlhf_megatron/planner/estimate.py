@@ -113,6 +113,8 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
                                        optimizer_shards=max(1, shards // layout.ep))
             state = type(state)(state.weights + expert.weights, state.grads + expert.grads,
                                 state.optimizer + expert.optimizer)
+        if distributed and opt.cpu_offload:  # master weights + moments live on the host
+            state = type(state)(state.weights, state.grads, 0.0)
         forward = forward_activation_bytes(
             shape, tokens=tokens, tp=layout.tp, sequence_parallel=SEQUENCE_PARALLEL,
             act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0,
