@@ -49,6 +49,8 @@ class ActorLogProbs:
     logprobs: torch.Tensor
     entropy: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+    """MoE with actor.engine.routing_replay: (bs, S, MoE layers, k) experts of each token."""
 
 
 @dataclass
@@ -140,7 +142,8 @@ class ActorGroup(_MegatronFacade):
         """Actor log-probs + entropy, and reference log-probs, in one round trip."""
         def combine(parts: list[Any]) -> ActorLogProbs:
             out = concat_rows(parts)
-            return ActorLogProbs(out["logprobs"], out["entropy"], out.get("ref_logprobs"))
+            return ActorLogProbs(out["logprobs"], out["entropy"], out.get("ref_logprobs"),
+                                 out.get("routed_experts"))
         return Pending(self._dp.compute_old_and_ref_logprobs(batch), combine)
 
     def compute_logprobs(self, batch: TokenBatch) -> ActorLogProbs:

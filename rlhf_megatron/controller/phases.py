@@ -152,6 +152,7 @@ def on_policy_shortcut(cfg: TrainConfig) -> bool:
     alg = cfg.algorithm
     correction = getattr(alg, "rollout_correction", None)
     return (alg.mini_batches == 1 and alg.kl_mode != "reward"
+            and not cfg.actor.engine.routing_replay  # MoE replay records in that forward
             and not getattr(correction, "enabled", False)
             and alg.policy_loss_config.tis_cap is None)
 
@@ -177,6 +178,8 @@ def compute_logprobs_and_values(run: Run, batch: TokenBatch) -> tuple[TokenBatch
         fields["old_logprobs"] = out.logprobs
         if out.ref_logprobs is not None:
             fields["ref_logprobs"] = out.ref_logprobs
+        if out.routed_experts is not None:  # MoE routing replay (models/moe_replay.py)
+            fields["routed_experts"] = out.routed_experts
         metrics.update(policy_forward_metrics(run, batch.with_fields(**fields), out))
     if values is not None:
         fields["values"] = values.result()

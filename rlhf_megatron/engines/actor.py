@@ -87,6 +87,10 @@ class ReferenceEngine(MegatronEngine):
 
         Identical on every rank of the engine (broadcast from the last pipeline stage).
         """
+        return self._compute_logprobs(batch, with_entropy=with_entropy)[0]
+
+    def _compute_logprobs(self, batch: TokenBatch, *, with_entropy: bool,
+                          routing: Any = None) -> tuple[dict[str, torch.Tensor], list[MicroBatch]]:
         micro_batches = self.make_micro_batches(batch)
 
         def read_out(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -97,12 +101,13 @@ class ReferenceEngine(MegatronEngine):
                 values["entropy"] = ent * mask
             return lp.new_zeros(()), values
 
-        results = self.run_micro_batches(micro_batches, read_out, forward_only=True)
+        results = self.run_micro_batches(micro_batches, read_out, forward_only=True,
+                                         routing=routing)
         names = ["logprobs"] + (["entropy"] if with_entropy else [])
         return {
             name: self.rows_in_batch_order(batch, micro_batches, [r[name] for r in results])
             for name in names
-        }
+        }, micro_batches
 
 
 class ActorEngine(ReferenceEngine):
@@ -110,6 +115,49 @@ class ActorEngine(ReferenceEngine):
 
     def __init__(self, config: Any, *, hf_dir: Any, dims: Any) -> None:
         super().__init__(config, hf_dir=hf_dir, dims=dims, trainable=True)
+        if config.routing_replay:
+            if not self.is_moe:
+                raise ConfigError("actor.engine.routing_replay needs a mixture-of-experts model")
+            if dims.cp > 1:
+                raise ConfigError(f"actor.engine.routing_replay does not support context "
+                                  f"parallelism (cp={dims.cp})")
+            if config.recompute_activations:
+                raise ConfigError("actor.engine.routing_replay does not support "
+                                  "recompute_activations (the recomputed forward would not replay)")
+
+    def _routing_pass(self, *, replay: bool) -> Any:
+        """An MoE model's routing bookkeeping for one pass (None for a dense model)."""
+        if not self.is_moe:
+            return None
+        from rlhf_megatron.models.moe_replay import RoutingPass
+
+        return RoutingPass(self.args.transformer_config, replay=replay)
+
+    def _moe_groups(self) -> list[Any]:
+        """The groups MoE counts add up over: the pipeline stages, then DP."""
+        from megatron.core import parallel_state
+
+        return [parallel_state.get_pipeline_model_parallel_group(),
+                parallel_state.get_data_parallel_group(with_context_parallel=False)]
+
+    def compute_logprobs(
+        self, batch: TokenBatch, *, with_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """As ReferenceEngine's; with engine.routing_replay also 'routed_experts'
+        (bs, S, MoE layers, k) int16: each token's experts in this forward (models/moe_replay.py)."""
+        from megatron.core import parallel_state
+
+        from rlhf_megatron.models.moe_replay import ROUTED_EXPERTS
+
+        if not self.config.routing_replay:
+            return super().compute_logprobs(batch, with_entropy=with_entropy)
+        routing = self._routing_pass(replay=False)
+        out, micro_batches = self._compute_logprobs(batch, with_entropy=with_entropy,
+                                                    routing=routing)
+        out[ROUTED_EXPERTS] = routing.recorded_field(
+            batch, micro_batches, parallel_state.get_pipeline_model_parallel_group(),
+            self.platform.device())
+        return out
 
     def update_policy(self, batch: TokenBatch, settings: PolicyUpdateSettings) -> dict[str, float]:
         """One optimizer step on this DP rank's share of the global batch.
@@ -174,14 +222,34 @@ class ActorEngine(ReferenceEngine):
                 values["token/entropy"] = entropy.detach() * micro.rows.loss_mask
             return loss * scale, values
 
-        results = self.run_micro_batches(micro_batches, policy_loss, forward_only=False)
+        routing = self._routing_pass(replay=self.config.routing_replay)
+        results = self.run_micro_batches(micro_batches, policy_loss, forward_only=False,
+                                         routing=routing)
         if on_policy:
             self.on_policy_values = {
                 name: self.rows_in_batch_order(
                     batch, micro_batches, [r.pop(f"token/{name}") for r in results])
                 for name in ("logprobs", "entropy")}
         metrics = self.reduce_metrics(results, summed={"pg_loss", "entropy", "kl_loss"})
+        if routing is not None:
+            metrics.update(self._moe_metrics(routing, len(micro_batches)))
         metrics.update(self.optimizer_step())
+        return metrics
+
+    def _moe_metrics(self, routing: Any, num_micro_batches: int) -> dict[str, float]:
+        """Routing mismatch / drift against the recorded experts, expert load per layer, and
+        the load-balancing loss the backward added (models/moe_replay.py)."""
+        from megatron.core import parallel_state
+
+        from rlhf_megatron.models.moe_replay import aux_loss_metrics
+
+        device = self.platform.device()
+        groups = self._moe_groups()
+        metrics = routing.metrics(groups, device)
+        coeff = float(self.args.transformer_config.moe_aux_loss_coeff or 0.0)
+        metrics.update(aux_loss_metrics(
+            coeff, num_micro_batches, [parallel_state.get_pipeline_model_parallel_group()],
+            parallel_state.get_data_parallel_group(with_context_parallel=False), device))
         return metrics
 
     @staticmethod

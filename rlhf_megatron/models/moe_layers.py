@@ -64,6 +64,38 @@ class CpuTopKRouter(TopKRouter):
         return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
+class RoutingReplayHook:
+    """Megatron's router calls `router.router_replay.get_replay_topk` for its top-k
+    (`topk_routing_with_score_function`); this hook records the router's own top-k choices
+    (`natural`) and, when `target` is set, makes the router use those expert indices instead
+    (`used`). The probabilities of the replayed experts come from the current scores, so the
+    router still gets gradients (as Megatron's own RouterReplay does; that one keeps a global
+    list of every router in the process, which the actor's and the reference's would share).
+
+    target: [tokens, k] int expert indices for this micro-batch's tokens, or None.
+    """
+
+    def __init__(self) -> None:
+        self.target: torch.Tensor | None = None
+        self.natural: torch.Tensor | None = None
+        self.used: torch.Tensor | None = None
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
+                        group_topk: int | None = None, default_compute_topk: Any = None):
+        probs, natural = default_compute_topk(scores, topk, num_groups=num_groups,
+                                              group_topk=group_topk)
+        self.natural = natural.detach()
+        if self.target is None:
+            self.used = self.natural
+            return probs, natural
+        if self.target.shape != natural.shape:
+            raise ValueError(f"replayed routing has shape {tuple(self.target.shape)}, the "
+                             f"router chose {tuple(natural.shape)}")
+        indices = self.target.to(device=scores.device, dtype=torch.long)
+        self.used = indices
+        return scores.gather(1, indices), indices
+
+
 class RlhfMoELayer(MoELayer):
     """`MoELayer` that also trains at TP > 1 without sequence parallelism; records expert load;
     and dispatches with `CpuAlltoAllTokenDispatcher` when CUDA is absent.
@@ -94,6 +126,10 @@ class RlhfMoELayer(MoELayer):
             tp = self.attn_tp_group.size()
             for param in self.experts.parameters():
                 param.register_hook(lambda grad, tp=tp: grad / tp)
+        # Training-side routing replay (models/moe_replay.py); Megatron's own replay object is
+        # only created with config.moe_enable_routing_replay, which stays off.
+        self.replay_hook = RoutingReplayHook()
+        self.router.router_replay = self.replay_hook
         if not torch.cuda.is_available():
             if on_cpu:
                 self.token_dispatcher.__class__ = CpuAlltoAllTokenDispatcher

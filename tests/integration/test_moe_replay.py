@@ -1,0 +1,110 @@
+"""Training-side routing replay and the router's metrics on a tiny Qwen3-MoE (4 experts, top-2,
+4 MoE layers), at PP2 and at EP2 (2 ranks, gloo):
+
+- the old-log-prob forward records each token's experts (`routed_experts`, combined over the
+  pipeline stages): equal to the top-k of HF's own router logits, computed here by hand;
+- `moe/aux_loss` equals the switch-transformer loss E * sum_e f_e P_e computed by hand from HF's
+  router logits (summed over layers, averaged over micro-batches);
+- with replay on, the update pass routes exactly as recorded (`moe/routing_mismatch` 0) even after
+  a large step has moved the router (`moe/routing_drift` > 0: it would have chosen otherwise);
+  with replay off the mismatch equals the drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlhf_megatron.testing.multirank import run_on_ranks
+from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
+
+LAYOUTS = [{"pp": 2}, {"ep": 2}]
+AUX_COEFF = 0.1
+
+
+def _batch():
+    from rlhf_megatron.data.batch import TokenBatch
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 300, (4, 12), generator=g)
+    attn = torch.ones_like(ids)  # no padding: HF and Megatron see the same tokens everywhere
+    loss_mask = attn.clone()
+    loss_mask[:, :3] = 0
+    return TokenBatch(ids, attn, loss_mask,
+                      {"advantages": torch.randn(ids.shape, generator=g) * loss_mask})
+
+
+def _hand_computed(hf_dir: str, batch) -> tuple[torch.Tensor, float]:
+    """(bs, S, layers, k) sorted top-k experts, and the mean over the two micro-batches of the
+    summed per-layer aux loss E * sum_e f_e P_e (f_e: share of the T*k choices, P_e: mean prob)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, output_router_logits=True).router_logits
+    bs, seq = batch.input_ids.shape
+    num_experts, k = model.config.num_experts, model.config.num_experts_per_tok
+    per_layer = [layer.view(bs, seq, num_experts).float() for layer in logits]
+    topk = torch.stack([layer.topk(k, dim=-1).indices.sort(-1).values for layer in per_layer], 2)
+    aux = 0.0
+    for rows in (slice(0, 2), slice(2, 4)):  # micro_batch_size = 2
+        for layer in per_layer:
+            scores = layer[rows].reshape(-1, num_experts)
+            probs = torch.softmax(scores, dim=-1)
+            chosen = torch.zeros_like(probs).scatter(1, scores.topk(k, dim=-1).indices, 1.0)
+            f = chosen.sum(0) / (scores.shape[0] * k)
+            aux += float(num_experts * (f * probs.mean(0)).sum())
+    return topk, aux / 2
+
+
+def _replay_job(hf_dir: str) -> list[dict]:
+    import torch.distributed as dist
+
+    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
+    from rlhf_megatron.engines.actor import PolicyUpdateSettings
+    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+
+    batch = _batch()
+    results = []
+    for layout in LAYOUTS:
+        dims = ParallelDims(dist.get_world_size(), **layout)
+        initialize_layout(dims)
+        config = EngineConfig(micro_batch_size=2, routing_replay=True,
+                              moe_aux_loss_coeff=AUX_COEFF,
+                              optimizer=OptimizerSettings(name="sgd", lr=50.0, clip_grad=0.0))
+        actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
+        old = actor.compute_logprobs(batch, with_entropy=True)
+        train = batch.with_fields(old_logprobs=old["logprobs"], routed_experts=old["routed_experts"])
+        first = actor.update_policy(train, PolicyUpdateSettings())
+        replayed = actor.update_policy(train, PolicyUpdateSettings())  # after a large step
+        actor.config = dataclasses.replace(actor.config, routing_replay=False)
+        free = actor.update_policy(train, PolicyUpdateSettings())
+        results.append({"layout": layout, "recorded": old["routed_experts"], "first": first,
+                        "replayed": replayed, "free": free})
+        destroy_layout()
+    return results
+
+
+@pytest.mark.multirank
+def test_routing_replay_and_router_metrics(tmp_path):
+    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3MoeForCausalLM"))
+    batch = _batch()
+    expected_topk, expected_aux = _hand_computed(hf_dir, batch)
+    per_rank = run_on_ranks(_replay_job, 2, (hf_dir,), timeout_s=600)
+    for rank_results in per_rank:
+        for result in rank_results:
+            layout, first = result["layout"], result["first"]
+            recorded = result["recorded"].long().sort(-1).values
+            assert torch.equal(recorded, expected_topk), layout
+            assert first["moe/aux_loss"] == pytest.approx(expected_aux, rel=1e-5), layout
+            assert first["moe/aux_loss_term"] == pytest.approx(AUX_COEFF * expected_aux,
+                                                               rel=1e-5), layout
+            assert first["moe/routing_mismatch"] == 0.0 and first["moe/routing_drift"] == 0.0
+            for name in ("moe/load_max/layer0", "moe/load_min/layer3"):
+                assert name in first, (layout, sorted(first))
+            replayed, free = result["replayed"], result["free"]
+            assert replayed["moe/routing_drift"] > 0.05, (layout, replayed)
+            assert replayed["moe/routing_mismatch"] == 0.0, (layout, replayed)
+            assert free["moe/routing_mismatch"] == free["moe/routing_drift"] > 0.05, (layout, free)
