@@ -34,6 +34,7 @@ from rlhf_megatron.data.prompts import PromptLoader
 from rlhf_megatron.errors import CheckpointError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir
 from rlhf_megatron.offline.datasets import OfflineExample, load_examples, rows_to_batch
+from rlhf_megatron.offline.facade import OfflineActorGroup
 from rlhf_megatron.offline.losses import kto_reference_point
 from rlhf_megatron.offline.steps import OfflineStepSpec
 from rlhf_megatron.offline.validate import ROWS_PER_EXAMPLE, validate_offline_config
@@ -48,7 +49,7 @@ PLOT_KEYS = {"sft": ("loss",), "dpo": ("loss", "rewards/margin", "rewards/accura
 @dataclass
 class OfflineRun:
     cfg: TrainConfig
-    group: Any  # WorkerGroup of OfflineWorker
+    group: OfflineActorGroup
     examples: list[OfflineExample]
     loader: PromptLoader
     reference: torch.Tensor | None = None
@@ -60,35 +61,15 @@ def _say(message: str) -> None:
     print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
 
 
-def build_actor_group(cfg: TrainConfig, pool: Any) -> Any:
-    """The actor's OfflineWorkers on `pool`, set up (torch.distributed + ActorEngine)."""
-    from rlhf_megatron.controller.worker_group import WorkerGroup, wait_all
-    from rlhf_megatron.offline.worker import OfflineWorker
-    from rlhf_megatron.workers.megatron_worker import EngineSpec
-
-    world, seed = cfg.actor.layout.world_size, cfg.trainer.seed
-    group = WorkerGroup.create("actor", OfflineWorker, pool, range(world),
-                               lambda rank: (f"actor[{rank}]", rank, world))
-    timeout = cfg.ray.startup_timeout_s
-    ip, port, _ = wait_all([group.handles[0].address.remote()], ["actor[0]"], "address",
-                           timeout_s=timeout)[0]
-    spec = EngineSpec("actor", cfg.model.path, cfg.actor.layout,
-                      replace(cfg.actor.engine, seed=seed), with_reference=False, seed=seed)
-    group.set_parallel_ranks(group.call("setup", spec, ip, port, timeout_s=timeout))
-    return group
-
-
 def _sequence_logprobs(run: OfflineRun, rows: list[Any]) -> torch.Tensor:
     """(len(rows),) summed log-probs under the actor's current weights, in chunks of one step's
     rows (padded with repeats so DP and micro-batch sizes divide)."""
-    from rlhf_megatron.controller.worker_group import concat_rows
-
     chunk = run.cfg.data.prompts_per_step * ROWS_PER_EXAMPLE[run.cfg.algorithm.name]
     out = []
     for start in range(0, len(rows), chunk):
         part = rows[start:start + chunk]
         padded = part + [part[i % len(part)] for i in range(chunk - len(part))]
-        values = concat_rows(run.group.dispatch_dp("sequence_logprobs", rows_to_batch(padded)))
+        values = run.group.sequence_logprobs(rows_to_batch(padded))
         out.append(values[: len(part)])
     return torch.cat(out).float()
 
@@ -132,7 +113,7 @@ def offline_step(run: OfflineRun, step: int) -> dict[str, float]:
     batch, spec, metrics = step_batch(run, run.loader.next_batch())
     dump = step in run.cfg.trainer.dump_batch_steps
     spec = replace(spec, return_logprobs=dump)
-    results = run.group.dispatch_dp("offline_update", batch, spec)
+    results = run.group.update(batch, spec)
     for key, value in results[0]["metrics"].items():
         name = key if "/" in key or key == "loss" else f"actor/{key}"
         metrics[name] = value
@@ -150,7 +131,7 @@ def offline_step(run: OfflineRun, step: int) -> dict[str, float]:
 
 def save_checkpoint(run: OfflineRun, store: CheckpointStore, step: int) -> Path:
     temp = store.begin(step)
-    run.group.call("save_checkpoint", str(temp / "actor"), step)
+    run.group.save_checkpoint(str(temp / "actor"), step)
     if run.reference is not None:
         torch.save(run.reference, temp / REFERENCE_FILE)
     return store.commit(step, temp, {"step": step, "loader": run.loader.state_dict(),
@@ -162,7 +143,7 @@ def restore_checkpoint(run: OfflineRun, store: CheckpointStore, path: Path) -> i
     if state.get("algorithm") != run.cfg.algorithm.name:
         raise CheckpointError(f"{path} was written by algorithm {state.get('algorithm')!r}, this "
                               f"run is {run.cfg.algorithm.name!r}")
-    run.group.call("load_checkpoint", str(path / "actor"))
+    run.group.load_checkpoint(str(path / "actor"))
     run.loader.load_state_dict(state["loader"])
     if run.cfg.algorithm.name != "sft":
         if not (path / REFERENCE_FILE).is_file():
@@ -211,7 +192,7 @@ def train_offline(cfg: TrainConfig) -> Path:
     try:
         start_ray(cfg, plan)
         pools = reserve_pools(cfg, plan, cfg.ray.startup_timeout_s)
-        group = build_actor_group(cfg, pools["shared"])
+        group = OfflineActorGroup.build(cfg, pools["shared"])
         run = OfflineRun(cfg, group, examples, loader)
         _say(f"workers ready in {time.perf_counter() - start:.1f}s")
         start_step = 1
