@@ -37,21 +37,13 @@ SYSTEM_PROMPT = (
 )
 
 
-def make_arithmetic_samples(count: int, seed: int = 0, small: bool = False) -> list[dict[str, Any]]:
-    """``count`` samples ``{"prompt": question, "answer": "N"}`` of a*b + c.
-
-    Default: 3-4 digit numbers, prompt "What is a * b + c?". ``small``: the tools quickstart's
-    word-level task, prompt ``"a * b + c"`` (words separated by spaces; a and b in 2..9, c in
-    1..9, answers at most 90): 512 distinct questions, whose table a 2-layer model does not learn
-    in a few dozen RL steps, while it can copy the question into a tool call and the tool's
-    output into its answer."""
+def make_arithmetic_samples(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` samples ``{"prompt": question, "answer": "N"}``: a*b + c with 3-4 digit numbers."""
     rng = random.Random(seed)
-    ranges = ((2, 9), (2, 9), (1, 9)) if small else ((100, 9999), (100, 999), (10, 999))
     samples = []
     for _ in range(count):
-        a, b, c = (rng.randint(low, high) for low, high in ranges)
-        samples.append({"prompt": f"{a} * {b} + {c}" if small else f"What is {a} * {b} + {c}?",
-                        "answer": str(a * b + c)})
+        a, b, c = rng.randint(100, 9999), rng.randint(100, 999), rng.randint(10, 999)
+        samples.append({"prompt": f"What is {a} * {b} + {c}?", "answer": str(a * b + c)})
     return samples
 
 

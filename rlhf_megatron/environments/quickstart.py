@@ -6,7 +6,7 @@ configs/quickstart_tools_cpu.yaml): the RL quickstart's tiny random Llama
     python -m rlhf_megatron.environments.quickstart --out outputs/quickstart_tools_assets
 
 Writes model/, train.jsonl / val.jsonl (``{"prompt": "7 * 8 + 3", "answer": "59"}``) and
-sft.jsonl: one conversation per training question, a share ``tool_fraction`` of them calling the
+sft.jsonl on other questions: one conversation per question, a share ``tool_fraction`` calling the
 tool (``<python> print( 7 * 8 + 3 ) </python>``, tool output ``59``, ``<answer> 59 </answer>``) and
 the rest answering at once (``<answer> 59 </answer>``). A short SFT on them teaches the format
 and the copying, and leaves the model calling the tool on about that share of episodes; GRPO
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_megatron import quickstart as rl_quickstart
-from rlhf_megatron.environments.arithmetic import make_arithmetic_samples
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 as write_model expects
 TOOL_WORDS = ("<system>", "<user>", "<assistant>", "<tool>", "<python>", "</python>", "<answer>",
@@ -47,19 +46,30 @@ def demonstration(sample: dict[str, Any], use_tool: bool) -> list[dict[str, str]
     return [*messages, {"role": "assistant", "content": f"<answer> {answer} </answer>"}]
 
 
-def prepare(out: Path, seed: int = 0, train: int = 512, val: int = 32,
-            tool_fraction: float = 0.5) -> Path:
-    """Write model/, train.jsonl, val.jsonl and sft.jsonl under ``out``."""
+def small_questions(seed: int) -> list[dict[str, str]]:
+    """Every question ``"a * b + c"`` of the word-level task (a, b in 2..9, c in 1..9: 576, answers
+    at most 90), shuffled by ``seed``."""
+    questions = [{"prompt": f"{a} * {b} + {c}", "answer": str(a * b + c)}
+                 for a in range(2, 10) for b in range(2, 10) for c in range(1, 10)]
+    random.Random(seed).shuffle(questions)
+    return questions
+
+
+def prepare(out: Path, seed: int = 0, tool_fraction: float = 0.5) -> Path:
+    """Write model/, sft.jsonl (288 questions), train.jsonl (256 others) and val.jsonl (the last
+    32) under ``out``. The RL questions are not in the SFT data, so the model cannot answer them
+    from memory: it has to call the tool, or guess."""
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     rl_quickstart.write_tokenizer(model_dir, vocabulary(), CHAT_TEMPLATE)
     rl_quickstart.write_model(model_dir, seed, vocab_size=len(vocabulary()))
-    samples = make_arithmetic_samples(train + val, seed=seed, small=True)
-    for name, part in (("train", samples[:train]), ("val", samples[train:])):
+    questions = small_questions(seed)
+    sft, train, val = questions[:288], questions[288:544], questions[544:]
+    for name, part in (("train", train), ("val", val)):
         _write(out / f"{name}.jsonl", [{**s, "data_source": "arithmetic_tool"} for s in part])
     rng = random.Random(seed + 1)
     _write(out / "sft.jsonl", [{"messages": demonstration(s, rng.random() < tool_fraction)}
-                               for s in samples[:train]])
+                               for s in sft])
     return out
 
 
