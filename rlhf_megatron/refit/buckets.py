@@ -48,14 +48,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def layer_bytes_of(named_params: list[tuple[str, Any]], tp: int) -> dict[int, int]:
+def layer_bytes_of(named_params: list[tuple[str, Any]], tp: int, ep: int = 1) -> dict[int, int]:
     """Bytes each decoder layer exports (its TP-gathered Megatron params; HF splits of fused
-    tensors have the same total size), from the shapes alone, aligned as the writer aligns."""
+    tensors have the same total size), from the shapes alone, aligned as the writer aligns.
+    ep: a rank holds 1/ep of each MoE layer's experts; the export sends all of them."""
     sizes: dict[int, int] = {}
     for name, param in named_params:
         match = _MEGATRON_LAYER.match(name)
         if match:
             factor = tp if getattr(param, "tensor_model_parallel", False) else 1
+            factor *= ep if ".experts." in name else 1
             layer = int(match.group(1))
             # A fused param may become up to 3 HF tensors, each padded to the alignment.
             estimate = _aligned(param.numel() * factor * param.element_size()) + 2 * _ALIGN

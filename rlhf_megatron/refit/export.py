@@ -54,6 +54,29 @@ def _gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
     return shards
 
 
+# A local expert's index in a Megatron name (sequential or TE grouped experts).
+_EXPERT_INDEX = re.compile(r"(experts\.local_experts\.|experts\.linear_fc[12]\.weight)(\d+)(\.|$)")
+
+
+def _shift_expert(name: str, offset: int) -> str:
+    """The same parameter of the expert `offset` places further (EP rank r: offset r * local)."""
+    return _EXPERT_INDEX.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}", name)
+
+
+def _gather_ep(shards: list[torch.Tensor], ep: int) -> list[list[torch.Tensor]]:
+    """Each EP rank's TP shards of the same local expert parameter, in EP rank order."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    gathered = []
+    for shard in shards:
+        shard = shard.contiguous()
+        copies = [torch.empty_like(shard) for _ in range(ep)]
+        dist.all_gather(copies, shard, group=group)
+        gathered.append(copies)
+    return [[copies[rank] for copies in gathered] for rank in range(ep)]
+
+
 def iter_hf_tensors(
     engine: object, timings: dict[str, float] | None = None
 ) -> Iterator[ExportedTensor]:
@@ -69,11 +92,8 @@ def iter_hf_tensors(
     from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
     from rlhf_megatron.models.registry import ARCHITECTURES
 
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        # The stage sender (DP rank 0) holds only its own experts (docs/MOE.md).
-        from rlhf_megatron.errors import LayoutError
-
-        raise LayoutError("refit from an actor at ep > 1 is not supported yet; use ep=1")
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    local_experts = (engine.args.transformer_config.num_moe_experts or 0) // ep
     table = ARCHITECTURES.for_hf_config(engine.hf_config).mapping_table_for(engine.hf_config)
     ctx = ShardContext(ModelShapes.from_megatron_args(engine.args),
                        tp=parallel_state.get_tensor_model_parallel_world_size(), rank=0)
@@ -87,10 +107,20 @@ def iter_hf_tensors(
             continue  # e.g. the tied output layer: HF ties it implicitly
         start = time.perf_counter()
         shards = _gather_tp(param.detach())
+        # At EP > 1 each rank holds experts / ep of every MoE layer: the sender (EP rank 0)
+        # gathers the other EP ranks' copies of this local expert and names them globally.
+        per_rank = [(name, shards)]
+        if ep > 1 and _EXPERT_INDEX.search(name):
+            first = -parallel_state.get_expert_model_parallel_rank() * local_experts
+            per_rank = [(_shift_expert(name, first + rank * local_experts), rank_shards)
+                        for rank, rank_shards in enumerate(_gather_ep(shards, ep))]
         mapped_at = time.perf_counter()
         if not sender:
             continue
-        exported = resolved.megatron_to_hf(shards, ctx)
+        exported = []
+        for rank_name, rank_shards in per_rank:
+            mapping = resolved if rank_name == name else table.resolve(rank_name)
+            exported += mapping.megatron_to_hf(rank_shards, ctx)
         exported = [(hf_name, tensor.contiguous()) for hf_name, tensor in exported]
         if timings is not None:
             timings["gather"] = timings.get("gather", 0.0) + mapped_at - start

@@ -69,6 +69,10 @@ def refit_rollout(
     stats = RefitStats()
     start = time.perf_counter()
     in_replica_0 = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # At EP > 1 the ranks of replica 0's EP group hold the other experts: they take part
+        # in the export's EP gathers (refit/export.py); only replica 0 sends.
+        in_replica_0 = parallel_state.get_expert_data_parallel_rank() == 0
     sender = is_stage_sender()
     first_stage = parallel_state.get_pipeline_model_parallel_rank() == 0
     if sender and first_stage:
@@ -98,7 +102,7 @@ def _send_stage(
         return
     tp = parallel_state.get_tensor_model_parallel_world_size()
     named = engine.named_parameters()
-    layer_bytes = layer_bytes_of(named, tp)
+    layer_bytes = layer_bytes_of(named, tp, parallel_state.get_expert_model_parallel_world_size())
     largest_other = max(
         (p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
          for n, p in named if not n.startswith("decoder.layers.")), default=0,
