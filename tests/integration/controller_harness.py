@@ -125,11 +125,13 @@ def titled_processes(title: str, root: int, parent_title: str | None = None) -> 
 
 
 def kill_mid_run(process: subprocess.Popen, run_dir: Path, log: Path,
-                 victims: Callable[[], list[int]], count: int) -> str:
-    """Once the run has logged 2 steps, kill -9 the last of the `count` processes `victims()`
-    finds; the run must end, non-zero, within 60 s of it. Returns the last line of its log."""
+                 victims: Callable[[], list[int]], count: int, after_steps: int = 2,
+                 timeout: float = 240) -> str:
+    """Once the run has logged `after_steps` steps, kill -9 the last of the `count` processes
+    `victims()` finds; the run must end, non-zero, within 60 s of it. Returns the last line of
+    its log."""
     try:
-        wait_until(lambda: len(read_metrics(run_dir)) >= 2, process, timeout=240)
+        wait_until(lambda: len(read_metrics(run_dir)) >= after_steps, process, timeout=timeout)
         pids = victims()
         assert len(pids) == count, pids
         os.kill(pids[-1], signal.SIGKILL)

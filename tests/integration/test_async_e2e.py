@@ -2,11 +2,12 @@
 vLLM, one for the actor at TP=1), on the quickstart task:
 
 - one_step_off learns: mean reward of the last 10 steps >= MARGIN above the first 10;
-- async with max_staleness=1 learns too, through a kill -9 and a resume: the resumed run trains
+- a dead rollout engine (vLLM's engine process killed -9) ends an async run within 60 s with a
+  one-line error;
+- async with max_staleness=1 learns too, through that crash and a resume: the resumed run trains
   every prompt exactly once (no prompt lost or repeated, from async_prompts.jsonl), and every
-  trained group is at most 1 version stale;
-- a dead rollout engine (vLLM's engine process killed) ends an async run within 60 s with a
-  one-line error.
+  trained group is at most 1 version stale. (One run crashes for both: the driver's error exit
+  saves nothing, so the resume starts from what a kill -9 of the driver would leave too.)
 """
 
 from __future__ import annotations
@@ -14,21 +15,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from controller_harness import (
     RayHead,
-    kill_hard,
     kill_mid_run,
     read_metrics,
     run_train,
     small_run_overrides,
     start_train,
     titled_processes,
-    wait_until,
 )
 
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
-from rlhf_megatron.quickstart import prepare
+
+# `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 
 # Mean reward of steps 1-10 -> 111-120, measured (session 5, 250-step runs cut to 120):
 # one_step_off 0.048 -> 0.249 (+0.20), async across the kill 0.049 -> 0.227 (+0.18); the rise is
@@ -49,18 +48,6 @@ def _overrides(assets: Path, run_dir: Path, mode: str, **extra: object) -> list[
         "actor.engine.micro_batch_size": 256,
         "trainer.total_steps": STEPS, "trainer.val_every": 0, "trainer.seed": 1,
         "trainer.rollout_mode": mode, **SPLIT, **extra})
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare(tmp_path_factory.mktemp("quickstart_assets"))
-
-
-@pytest.fixture(scope="module")
-def head():
-    cluster = RayHead(num_cpus=4)
-    yield cluster
-    cluster.stop()
 
 
 def _learned(records: list[dict]) -> tuple[float, float]:
@@ -90,15 +77,20 @@ def _trained_keys(run_dir: Path) -> dict[int, list[int]]:
     return steps
 
 
-def test_async_learns_across_kill_and_resume(assets: Path, tmp_path: Path,
-                                             head: RayHead) -> None:
-    run_dir = tmp_path / "async"
+def test_dead_rollout_engine_ends_an_async_run_which_resumes_and_learns(
+        assets: Path, tmp_path: Path, head: RayHead) -> None:
+    run_dir, log = tmp_path / "async", tmp_path / "engine_death.log"
     args = _overrides(assets, run_dir, "async", **{"trainer.max_staleness": 1,
                                                     "trainer.save_every": 10})
-    process = start_train(args, tmp_path / "killed.log")  # its own Ray cluster: killed with it
+    process = start_train(args, log)  # its own Ray cluster, as a user's run
+    # vLLM's engine process, a child of the run's AsyncRolloutWorker, once 25 steps are logged.
+    line = kill_mid_run(process, run_dir, log, count=1, after_steps=25, timeout=600,
+                        victims=lambda: titled_processes("EngineCore", process.pid,
+                                                         parent_title="ray::AsyncRolloutWorker"))
+    # One line, naming the dead engine (seen by the rollout worker, or by the actor's refit).
+    assert line.startswith("rlhf-megatron: error:") and "rollout engine" in line \
+        and "EngineDeadError" in line, line
     store = CheckpointStore(run_dir / "checkpoints", keep_last=2)
-    wait_until(lambda: len(read_metrics(run_dir)) >= 25, process, timeout=600)
-    kill_hard(process)
     saved = store.load_controller_state(store.latest())
     assert saved["step"] >= 20 and saved["async_stream"]["pending"], saved
     result = run_train([*args, "trainer.resume=auto"], timeout=900, head=head)
@@ -115,15 +107,3 @@ def test_async_learns_across_kill_and_resume(assets: Path, tmp_path: Path,
     assert all(r["async/dropped_groups"] == 0.0 for r in records)
     assert all(max(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("async/staleness_")
                    and k != "async/staleness_mean") <= 1 for r in records)
-
-
-def test_dead_rollout_engine_ends_an_async_run(assets: Path, tmp_path: Path) -> None:
-    run_dir, log = tmp_path / "engine_death", tmp_path / "engine_death.log"
-    process = start_train(_overrides(assets, run_dir, "async", **{"trainer.total_steps": 500}),
-                          log)
-    # vLLM's engine process, a child of the run's AsyncRolloutWorker.
-    line = kill_mid_run(process, run_dir, log, count=1, victims=lambda: titled_processes(
-        "EngineCore", process.pid, parent_title="ray::AsyncRolloutWorker"))
-    # One line, naming the dead engine (seen by the rollout worker, or by the actor's refit).
-    assert line.startswith("rlhf-megatron: error:") and "rollout engine" in line \
-        and "EngineDeadError" in line, line

@@ -25,7 +25,8 @@ from controller_harness import (
 )
 
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
-from rlhf_megatron.quickstart import prepare
+
+# `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 
 STEPS = 4
 # Warm-up then cosine decay: the lr differs every step, so a resume that rebuilt the scheduler
@@ -33,20 +34,6 @@ STEPS = 4
 SCHEDULE = {"actor.engine.optimizer.warmup_steps": 3,
             "actor.engine.optimizer.lr_decay_style": "cosine",
             "actor.engine.optimizer.total_steps": 10}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare(tmp_path_factory.mktemp("quickstart_assets"))
-
-
-@pytest.fixture(scope="module")
-def head():
-    """One Ray cluster for the runs that are not killed (a killed run takes its own local
-    cluster down with it, as a user's would)."""
-    cluster = RayHead(num_cpus=4)
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")
