@@ -1,0 +1,71 @@
+"""GRPO on a tiny Qwen3-MoE with routing replay on, through the CLI (quickstart task and config,
+actor TP2, vLLM-CPU rollout refitted every step): the reward rises, and every update pass routes
+each token exactly as the old-log-prob forward did (`actor/moe/routing_mismatch` 0), the
+load-balancing loss and the expert loads are logged, and vLLM's log-probs follow the refitted
+MoE weights.
+
+Measured (2-core VM, seed 1): 41.3 s; mean reward of steps 1-8 0.045 -> steps 23-30 0.102; aux
+loss ~2.02-2.04 (E * sum f P summed over 2 layers; 2.0 = balanced); layer-1 expert load max/min
+over the mean 1.07-1.71 / 0.54-0.89; rollout/logprob_diff_max < 1e-5 every step.
+
+The MoE model replaces the quickstart's tiny Llama (same tokenizer and task): 2 layers, hidden
+64, 4 experts of FFN 64, top-2, head_dim 32 (vLLM-CPU's attention and its MoE kernel need
+multiples of 32). The refit into vLLM-CPU of MoE weights relies on models/moe_vllm_repack.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from controller_harness import read_metrics, run_train, small_run_overrides
+
+from rlhf_megatron.quickstart import prepare, task_vocabulary
+
+STEPS = 30
+WINDOW = 8
+MARGIN = 0.02
+
+
+def write_tiny_moe(model_dir: Path, seed: int = 0) -> None:
+    """A tiny Qwen3-MoE over the quickstart vocabulary, random weights from `seed`."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=len(task_vocabulary()), hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, initializer_range=0.02, router_aux_loss_coef=0.001)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+
+
+def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
+    assets = prepare(tmp_path / "assets")
+    for stale in (assets / "model").glob("*.safetensors"):
+        stale.unlink()
+    write_tiny_moe(assets / "model")
+    run_dir = tmp_path / "run"
+    overrides = small_run_overrides(assets, run_dir, **{
+        "data.prompts_per_step": 16, "rollout.sampling.n": 16,
+        "actor.engine.micro_batch_size": 256, "trainer.total_steps": STEPS,
+        "trainer.val_every": 0, "trainer.seed": 1, "actor.engine.routing_replay": "true",
+        "actor.engine.optimizer.lr": 0.003})
+    result = run_train(overrides, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+
+    rewards = [r["reward/mean"] for r in records]
+    first = sum(rewards[:WINDOW]) / WINDOW
+    last = sum(rewards[-WINDOW:]) / WINDOW
+    assert last - first >= MARGIN, (first, last)
+    for r in records:
+        assert r["actor/moe/routing_mismatch"] == 0.0, r
+        assert r["actor/moe/aux_loss"] > 0, r
+        assert r["actor/moe/load_max/layer1"] >= 1.0 >= r["actor/moe/load_min/layer1"], r
+        # vLLM follows the refitted MoE weights (a skipped expert prepack gives ~0.3)
+        assert r["rollout/logprob_diff_max"] < 0.05, r
