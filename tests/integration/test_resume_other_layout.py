@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import read_metrics, run_train, small_run_overrides, stable
+from controller_harness import RayHead, read_metrics, run_train, small_run_overrides, stable
 
-from rlhf_megatron.quickstart import prepare
+# `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 
 STEPS = 2
 TOLERANCE = 1e-6
@@ -40,14 +40,9 @@ EXACT_PREFIXES = ("reward/", "response/", "batch/", "advantages/", "returns/", "
                   "refit/buckets", "rollout/weight_version", "weight_version", "step")
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare(tmp_path_factory.mktemp("quickstart_assets"))
-
-
-def _train(assets: Path, run_dir: Path) -> list[dict]:
+def _train(assets: Path, run_dir: Path, head: RayHead) -> list[dict]:
     result = run_train(small_run_overrides(assets, run_dir, **{
-        "trainer.total_steps": STEPS, **COMMON}))
+        "trainer.total_steps": STEPS, **COMMON}), head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_metrics(run_dir)
 
@@ -90,10 +85,10 @@ def _compare(expected: dict, got: dict) -> dict[str, float]:
     return out
 
 
-def test_resume_at_tp1_dp2_from_tp2_equals_the_uninterrupted_tp2_step(assets: Path,
-                                                                        tmp_path: Path) -> None:
+def test_resume_at_tp1_dp2_from_tp2_equals_the_uninterrupted_tp2_step(
+        assets: Path, tmp_path: Path, head: RayHead) -> None:
     uninterrupted_dir = tmp_path / "tp2"
-    uninterrupted = _train(assets, uninterrupted_dir)
+    uninterrupted = _train(assets, uninterrupted_dir, head)
     assert [r["step"] for r in uninterrupted] == list(range(1, STEPS + 1))
 
     resumed_dir = tmp_path / "tp1dp2"
@@ -104,7 +99,7 @@ def test_resume_at_tp1_dp2_from_tp2_equals_the_uninterrupted_tp2_step(assets: Pa
     (resumed_dir / "metrics.jsonl").write_text(lines[0] + "\n")
     result = run_train(small_run_overrides(assets, resumed_dir, **{
         "trainer.total_steps": STEPS, **COMMON, "trainer.resume": "auto",
-        "actor.layout.tp": 1, "actor.layout.dp": 2}))
+        "actor.layout.tp": 1, "actor.layout.dp": 2}), head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stderr and f"at step {STEPS}" in result.stderr
     resumed = read_metrics(resumed_dir)
