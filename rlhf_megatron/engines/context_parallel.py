@@ -91,3 +91,14 @@ def context_parallel_group() -> tuple[int, Any]:
 
     size = parallel_state.get_context_parallel_world_size()
     return size, (parallel_state.get_context_parallel_group() if size > 1 else None)
+
+
+def tokens_per_cp_rank(mask: torch.Tensor, cp: int) -> torch.Tensor:
+    """(b, s) 0/1 mask of one dense micro-batch -> (cp, b) int64: how many of each row's masked
+    tokens every CP rank holds under the split of MegatronEngine._split_dense (the width padded
+    to a multiple of 2*cp, rank r keeping chunks r and 2*cp-1-r). With the loss mask it says
+    which CP ranks compute a row's response tokens (e.g. that a response is split across them)."""
+    width = mask.shape[1]
+    padded = -(-width // (2 * cp)) * (2 * cp)
+    full = torch.nn.functional.pad(mask.long(), (0, padded - width))
+    return torch.stack([full[:, cp_token_indices([padded], cp, r)].sum(1) for r in range(cp)])
