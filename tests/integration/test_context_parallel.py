@@ -3,12 +3,16 @@
 1. The all-gather-KV SDPA attention (models/sdpa_cp.py) at cp=4, dense and packed, equals full
    causal attention on the whole sequences: outputs and the q/k/v gradients (the backward
    reduce-scatters dK/dV).
-2. The actor engine at TP1/CP2 and TP2/CP2 gives the log-probs and entropy of TP1/CP1 (1e-5,
-   fp32), with and without packing, on rows whose lengths are not multiples of 2*cp; so do the
-   critic's values.
+2. The actor engine at TP1/CP2, TP2/CP2 and CP2 x PP2 gives the log-probs and entropy of TP1/CP1
+   (1e-5, fp32); so do the critic's values. Rows of 13, 9, 11 and 6 tokens (none a multiple of
+   2*cp = 4) in five micro-batchings: dense one row per micro-batch (each row padded at its end
+   to a multiple of 4), dense two rows (the longer row's width padded), packed one row, packed
+   all four rows in one sequence (each packed row padded to a multiple of 4: 16+12+12+8), and
+   packed by a token budget that counts the padded lengths.
 3. Two update steps (packed seq-mean-token-mean, then dense token-mean; SGD, so the update is
    linear in the gradient) give the weights of CP1 (1e-6) and the same pg_loss.
-4. Refit: exactly one rank of the CP group sends; a checkpoint saved at CP2 loads at CP1.
+4. Refit: exactly one rank of the CP group sends (one per pipeline stage); a checkpoint saved at
+   CP2 loads at CP1.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 WORLD = 4
-LAYOUTS = [(1, 1), (1, 2), (2, 2)]  # (tp, cp); dp = 4 // (tp * cp)
+LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)]  # (tp, cp, pp); dp = 4 // (tp * cp * pp)
+# World ranks that send at refit (TP rank 0, DP x CP rank 0, one per pipeline stage).
+SENDERS = {1: [True, False, False, False], 2: [True, False, True, False]}
+# (name, engine settings): how the rows are cut into micro-batches and laid out.
+MICRO_BATCHINGS = (
+    ("dense1", {"micro_batch_size": 1}),
+    ("dense2", {"micro_batch_size": 2}),
+    ("packed1", {"micro_batch_size": 1, "use_packing": True}),
+    ("packed4", {"micro_batch_size": 4, "use_packing": True}),
+    ("budget", {"max_tokens_per_micro_batch": 28, "use_packing": True}),
+)
 LOGPROB_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-6
 ROW_LENGTHS = (13, 9, 11, 6)  # none a multiple of 2*cp = 4
@@ -85,14 +99,17 @@ def _engine_config(packing: bool):
 
 
 def _values(engine, critic) -> dict[str, torch.Tensor]:
-    """Log-probs, entropy and critic values of the whole batch, dense and packed."""
+    """Log-probs, entropy and critic values of the whole batch in every MICRO_BATCHING."""
     out = {}
-    for packing in (False, True):
+    plain = engine.config
+    for name, settings in MICRO_BATCHINGS:
         for eng in (engine, critic):
-            eng.config = dataclasses.replace(eng.config, use_packing=packing)
+            eng.config = dataclasses.replace(plain, **settings)
         lp = engine.compute_logprobs(_batch(), with_entropy=True)
-        out[f"logprobs{int(packing)}"], out[f"entropy{int(packing)}"] = lp["logprobs"], lp["entropy"]
-        out[f"values{int(packing)}"] = critic.compute_values(_batch())
+        out[f"logprobs_{name}"], out[f"entropy_{name}"] = lp["logprobs"], lp["entropy"]
+        out[f"values_{name}"] = critic.compute_values(_batch())
+    for eng in (engine, critic):
+        eng.config = plain
     return out
 
 
@@ -145,8 +162,8 @@ def _context_parallel_job(hf_dir: str, ckpt_dir: str) -> dict:
 
     result = {"attention": _attention_errors(), "layouts": {}}
     reference = None
-    for tp, cp in LAYOUTS:
-        dims = ParallelDims(WORLD, tp=tp, cp=cp)
+    for tp, cp, pp in LAYOUTS:
+        dims = ParallelDims(WORLD, tp=tp, cp=cp, pp=pp)
         initialize_layout(dims)
         engine = ActorEngine(_engine_config(False), hf_dir=hf_dir, dims=dims)
         critic = CriticEngine(_engine_config(False), hf_dir=hf_dir, dims=dims)
@@ -164,8 +181,8 @@ def _context_parallel_job(hf_dir: str, ckpt_dir: str) -> dict:
         layout["moved"] = metrics[0]["moved"]
         layout["weights"] = _full_weights_diff(weights, reference["weights"], engine)
         layout["senders"] = senders
-        result["layouts"][f"tp{tp}cp{cp}"] = layout
-        if (tp, cp) == (1, 2):
+        result["layouts"][f"tp{tp}cp{cp}pp{pp}"] = layout
+        if (tp, cp, pp) == (1, 2, 1):
             saved = engine.save_checkpoint(ckpt_dir, step=1)
             cp2_weights = weights
         destroy_layout()
@@ -198,6 +215,10 @@ def test_cp_attention_equals_full_attention(results):
 
 @pytest.mark.multirank
 def test_cp_logprobs_entropy_values_and_update_equal_cp1(results):
+    for layout, checks in results[-1]["layouts"].items():  # the last rank: a last stage
+        worst = {kind: max(v for n, v in checks.items() if n.startswith(kind))
+                 for kind in ("logprobs", "entropy", "values")}
+        print(f"{layout} vs tp1cp1pp1 (rank 3): {worst}, weights {checks['weights']:.2g}")
     for rank, per_rank in enumerate(results):
         for layout, checks in per_rank["layouts"].items():
             where = f"rank {rank} {layout}"
@@ -205,7 +226,7 @@ def test_cp_logprobs_entropy_values_and_update_equal_cp1(results):
                 assert scored > 1.0, f"{where}: {name} is all zeros"
                 assert checks[name] < LOGPROB_TOLERANCE, f"{where}: {name} {checks[name]}"
             assert checks["weights"] < WEIGHT_TOLERANCE, f"{where}: weights {checks['weights']}"
-            reference = per_rank["layouts"]["tp1cp1"]
+            reference = per_rank["layouts"]["tp1cp1pp1"]
             assert checks["pg_loss"] == pytest.approx(reference["pg_loss"], abs=1e-6), where
             assert checks["moved"] > 1e-3, where  # the steps did move the weights
 
@@ -214,6 +235,5 @@ def test_cp_logprobs_entropy_values_and_update_equal_cp1(results):
 def test_cp_refit_sends_once_and_cp2_checkpoint_loads_at_cp1(results):
     for per_rank in results:
         for layout, checks in per_rank["layouts"].items():
-            # TP rank 0 of DP x CP replica 0 sends: world rank 0 in every layout here.
-            assert checks["senders"] == [True, False, False, False], layout
+            assert checks["senders"] == SENDERS[int(layout[-1])], layout
         assert per_rank["checkpoint_diff"] == 0.0
