@@ -81,6 +81,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return out
 
 
+def window_means(records: list[dict], key: str, window: int) -> tuple[float, float]:
+    """Mean of `key` over the first `window` records and over the last `window` (a learning
+    curve's start and end)."""
+    values = [r[key] for r in records]
+    return sum(values[:window]) / window, sum(values[-window:]) / window
+
+
 def stable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(VOLATILE_PREFIXES)}
 

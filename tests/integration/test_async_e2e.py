@@ -23,6 +23,7 @@ from controller_harness import (
     small_run_overrides,
     start_train,
     titled_processes,
+    window_means,
 )
 
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
@@ -50,18 +51,13 @@ def _overrides(assets: Path, run_dir: Path, mode: str, **extra: object) -> list[
         "trainer.rollout_mode": mode, **SPLIT, **extra})
 
 
-def _learned(records: list[dict]) -> tuple[float, float]:
-    rewards = [r["reward/mean"] for r in records]
-    return sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
-
-
 def test_one_step_off_learns(assets: Path, tmp_path: Path, head: RayHead) -> None:
     run_dir = tmp_path / "one_step_off"
     result = run_train(_overrides(assets, run_dir, "one_step_off"), timeout=900, head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    first, last = _learned(records)
+    first, last = window_means(records, "reward/mean", WINDOW)
     assert last - first >= MARGIN, (first, last)
     # One version behind after the first step, never a token of two versions (no partial).
     assert all(r["async/staleness_1"] == 1.0 for r in records[1:])
@@ -102,7 +98,7 @@ def test_dead_rollout_engine_ends_an_async_run_which_resumes_and_learns(
     keys = [k for step in range(1, STEPS + 1) for k in steps[step]]
     assert len(keys) == len(set(keys)) == STEPS * PROMPTS  # none repeated
     assert sorted(keys) == list(range(STEPS * PROMPTS))  # none lost
-    first, last = _learned(records)
+    first, last = window_means(records, "reward/mean", WINDOW)
     assert last - first >= MARGIN, (first, last)
     assert all(r["async/dropped_groups"] == 0.0 for r in records)
     assert all(max(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("async/staleness_")

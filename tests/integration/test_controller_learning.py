@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller_harness import read_metrics, run_train, small_run_overrides
+from controller_harness import read_metrics, run_train, small_run_overrides, window_means
 
 from rlhf_megatron.quickstart import prepare
 
@@ -45,9 +45,7 @@ def test_grpo_learns_with_the_actor_offloaded_during_rollout(tmp_path: Path) -> 
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
-    rewards = [r["reward/mean"] for r in records]
-    first = sum(rewards[:WINDOW]) / WINDOW
-    last = sum(rewards[-WINDOW:]) / WINDOW
+    first, last = window_means(records, "reward/mean", WINDOW)
     assert last - first >= MARGIN, (first, last)
 
     # Params + grads, plus Adam's two moments once the first update made them.

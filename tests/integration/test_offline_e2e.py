@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import REPO, RayHead, read_metrics, run_train
+from controller_harness import REPO, RayHead, read_metrics, run_train, window_means
 
 from rlhf_megatron.offline.quickstart import prepare
 
@@ -54,18 +54,13 @@ def _train(alg: str, assets: Path, run_dir: Path, head: RayHead, **extra: object
     return result
 
 
-def _window_means(records: list[dict], key: str) -> tuple[float, float]:
-    values = [r[key] for r in records]
-    return sum(values[:WINDOW]) / WINDOW, sum(values[-WINDOW:]) / WINDOW
-
-
 @pytest.mark.parametrize("alg", ["sft", "kto"])
 def test_sft_and_kto_loss_falls(alg, assets, head, tmp_path):
     run_dir = tmp_path / alg
     _train(alg, assets, run_dir, head)
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    first, last = _window_means(records, "loss")
+    first, last = window_means(records, "loss", WINDOW)
     assert last < first - 0.02, (first, last)
     if alg == "kto":
         assert all(r["kl"] >= 0 for r in records)  # z0 is clamped at 0
@@ -85,13 +80,13 @@ def test_dpo_resumes_and_its_export_reproduces_the_trainer_logprobs(assets, head
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # log 2: policy = reference
     for key in ("rewards/margin", "rewards/accuracy"):
-        first, last = _window_means(records, key)
+        first, last = window_means(records, key, WINDOW)
         assert last > first + 0.1, (key, first, last)
     # ... and "chosen" is the data's chosen: the policy's own log-prob gap between the file's
     # chosen and rejected completions widens (a loss that swapped them would shrink it).
     for r in records:
         r["gap"] = r["logps/chosen"] - r["logps/rejected"]
-    first, last = _window_means(records, "gap")
+    first, last = window_means(records, "gap", WINDOW)
     assert last > first + 1.0, (first, last)
 
     checkpoint = run_dir / "checkpoints" / f"step_{HALF:08d}" / "actor"
