@@ -45,16 +45,11 @@ def digit_fraction(text: str) -> float:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's assets plus the graded reward (`head`, the module's shared Ray cluster,
+    comes from tests/integration/conftest.py)."""
     out = prepare(tmp_path_factory.mktemp("quickstart_assets"))
     (out / "rewards.py").write_text(REWARD_SOURCE)
     return out
-
-
-@pytest.fixture(scope="module")
-def head():
-    cluster = RayHead(num_cpus=4)
-    yield cluster
-    cluster.stop()
 
 
 def _multi_token(assets: Path, max_tokens: int = MAX_TOKENS,
