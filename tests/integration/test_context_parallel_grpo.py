@@ -16,7 +16,7 @@ Asserted, with what was measured (seed 1):
 (c) CP2 learns like CP1: at step 1 (same weights, same samples) entropy, grad norm, the
     rollout-vs-actor log-prob gap and the reward within 1e-5 (measured: entropy equal, grad norm
     5.5e-8), and the mean reward of steps 1-10 within 0.01 (measured: the per-step rewards are
-    identical, 10/10 steps here, 40/40 in a 40-step comparison). Planted bug: the late chunk's
+    identical, 10/10 steps here, 20/20 when CP1 ran 20 steps). Planted bug: the late chunk's
     causal offset dropped in models/sdpa_cp.py -> step-1 entropy gap 8.5e-4, the test fails.
 """
 

@@ -38,3 +38,13 @@ def test_pack_rows_pads_each_row_to_the_multiple_and_unpacks_at_padded_offsets()
     plain = pack_rows(ids, mask)  # pad_to=1: unchanged behaviour
     assert plain.tokens.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3]]
     assert plain.cu_seqlens_padded is plain.cu_seqlens
+
+
+def test_tokens_per_cp_rank_counts_each_rank_share_of_a_mask():
+    from rlhf_megatron.engines.context_parallel import tokens_per_cp_rank
+
+    # Width 6 pads to 8 (2*cp = 4): rank 0 holds positions 0-1 and 6-7, rank 1 positions 2-5.
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0]])
+    assert tokens_per_cp_rank(mask, 2).tolist() == [[0, 0], [3, 2]]
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    assert tokens_per_cp_rank(mask, 2).tolist() == [[2], [2]]
