@@ -1,7 +1,9 @@
 """Async rollout engine (vLLM AsyncLLM): a request that spans a refit is paused at a safe point,
 continues on the new weights (partial rollout), and every token carries the weight version that
 produced it; the behaviour log-probs of each token equal, within 1e-4 in fp32, what HF gives with
-THAT version's weights.
+THAT version's weights. Then, on the same engine, multi-turn episodes (issue 15): one request per
+turn, ids kept, log-probs = HF within 1e-4, a 2 s tool call holding no other episode
+(test_episodes_vllm.async_episode_checks).
 
 One engine in one spawned process serves every check (starting AsyncLLM costs ~10-20 s).
 """
@@ -12,6 +14,7 @@ import time
 
 import pytest
 import torch
+from test_episodes_vllm import ENV_FILE, assert_async_episodes
 
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -37,9 +40,10 @@ def _layer_buckets(state: dict[str, torch.Tensor]) -> list[list[tuple[str, torch
     return list(buckets.values())
 
 
-def _partial_rollout_job(hf_dir: str) -> dict:
+def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
     import transformers
     from safetensors.torch import load_file
+    from test_episodes_vllm import async_episode_checks
 
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
     from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
@@ -63,6 +67,7 @@ def _partial_rollout_job(hf_dir: str) -> dict:
         out["version"] = engine.finish_weight_update(1)
         groups = engine.take(len(PROMPTS), timeout=300)
         out["counts"] = engine.counts()
+        out["episodes"] = async_episode_checks(engine, hf_dir, env_spec, new_state)
     finally:
         engine.shutdown()
     models = {}
@@ -96,11 +101,14 @@ def _partial_rollout_job(hf_dir: str) -> dict:
 @pytest.mark.multirank
 def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
     hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3ForCausalLM")
-    (out,) = run_on_ranks(_partial_rollout_job, 1, (str(hf_dir),), timeout_s=600,
-                          env=VLLM_ENV, init_distributed=False)
+    env_file = tmp_path / "three_turns.py"
+    env_file.write_text(ENV_FILE)
+    (out,) = run_on_ranks(_partial_rollout_job, 1, (str(hf_dir), f"{env_file}:ThreeTurns"),
+                          timeout_s=600, env=VLLM_ENV, init_distributed=False)
     assert out["version"] == 1
     assert out["tokens_while_paused"] == 0, out
     assert sorted(out["keys"]) == [0, 1, 2] and out["counts"]["in_flight"] == 0, out
     assert out["spanning"] >= 1, out  # some request has tokens of both versions
     assert out["diffs"][0] < 1e-4 and out["diffs"][1] < 1e-4, out
     assert out["cross"] > 1e-2, out  # the new weights really changed those tokens' log-probs
+    assert_async_episodes(out["episodes"])

