@@ -50,6 +50,16 @@ class RunGroups:
 _FACADES = {"actor": ActorGroup, "critic": CriticGroup, "reward_model": RewardModelGroup}
 
 
+def rollout_worker_class(cfg: TrainConfig) -> type:
+    """The rollout engines' worker: AsyncLLM (AsyncRolloutWorker) for the off-policy modes and for
+    multi-turn episodes with environment.engine=async; otherwise the batch engine."""
+    if cfg.trainer.rollout_mode != "sync" or (
+            cfg.environment.enabled and cfg.environment.engine == "async"):
+        from rlhf_megatron.rollout.async_worker import AsyncRolloutWorker
+
+        return AsyncRolloutWorker
+    return RolloutWorker
+
 def _megatron_specs(cfg: TrainConfig) -> dict[str, EngineSpec]:
     """One EngineSpec per role of config.roles.megatron_roles."""
     seed = cfg.trainer.seed
@@ -78,12 +88,11 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
                 (f"{role}[{rank}]", rank, world, threads))
     tp = cfg.rollout.engine.tensor_parallel_size
     rollout_config = cfg.rollout.engine
-    rollout_class, extra = RolloutWorker, ()
-    if cfg.trainer.rollout_mode != "sync":  # one_step_off / async: AsyncLLM engines
+    rollout_class, extra = rollout_worker_class(cfg), ()
+    if rollout_class is not RolloutWorker:
         from rlhf_megatron.controller.async_loop import buffer_capacity
-        from rlhf_megatron.rollout.async_worker import AsyncRolloutWorker
 
-        rollout_class, extra = AsyncRolloutWorker, (buffer_capacity(cfg),)
+        extra = (buffer_capacity(cfg),)
     groups["rollout"] = WorkerGroup.create(
         "rollout", rollout_class, pools[plan.role_pool["rollout"]],
         [engine * tp for engine in range(cfg.rollout.num_engines)],

@@ -24,6 +24,11 @@ class EnvironmentConfig:
     """All tokens after the opening prompt (assistant + observations); reaching it truncates."""
     tool_workers: int = 4
     """Threads that run environment steps (tool calls) beside generation."""
+    engine: str = "async"
+    """Which vLLM engine runs the trainer's episodes. ``async``: vLLM's AsyncLLM, every episode
+    its own task and every turn its own request, so a slow tool call holds no other episode
+    (rollout/async_episodes.py). ``batched``: the synchronous engine, one batched generate per
+    turn round, where a round waits for its slowest tool (rollout/episodes.py)."""
 
     def validate(self, train_cfg: Any = None) -> None:
         """Check the limits, that the environment class loads, and (given the whole TrainConfig)
@@ -31,14 +36,17 @@ class EnvironmentConfig:
         model (one-line ConfigError)."""
         if self.path is not None and train_cfg is not None:
             if getattr(train_cfg.trainer, "rollout_mode", "sync") != "sync":
-                raise ConfigError("environment.path needs trainer.rollout_mode=sync (multi-turn "
-                                  "episodes run on the synchronous engine for now)")
+                raise ConfigError("environment.path needs trainer.rollout_mode=sync (episodes run "
+                                  "on the async engine with environment.engine=async, but the "
+                                  "off-policy loop's buffer and resume are per prompt)")
             if train_cfg.algorithm.dynamic_sampling.enabled:
                 raise ConfigError("environment.path cannot be combined with "
                                   "algorithm.dynamic_sampling.enabled")
             if train_cfg.reward_model.path is not None:
                 raise ConfigError("environment.path: the environment gives the rewards; unset "
                                   "reward_model.path")
+        if self.engine not in ("async", "batched"):
+            raise ConfigError(f"environment.engine={self.engine!r}: expected 'async' or 'batched'")
         for name in ("max_turns", "max_tokens_per_turn", "max_tokens_per_episode", "tool_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -99,6 +99,7 @@ class AsyncRolloutEngine:
         self._error: str | None = None
         self._streaming: list[SampleRecord] = []  # records of every sample not yet taken
         self._shm: Any = None  # a SharedMemoryTransport for load_weights(tensors)
+        self._asleep: set[str] = set()  # memory tags sleep() released, until woken
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="async-rollout",
                                         daemon=True)
@@ -144,6 +145,20 @@ class AsyncRolloutEngine:
         if self.config.tensor_parallel_size == 1:
             kwargs["distributed_executor_backend"] = "uni"  # the model in EngineCore's process
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def sleep(self) -> None:
+        """Free vLLM's weights and KV cache while a colocated trainer runs (the batch engine's
+        rule: CUDA with rollout.engine.enable_sleep_mode only; a no-op on CPU)."""
+        if self.platform.is_cuda and self.config.enable_sleep_mode and not self._asleep:
+            self._call(self.llm.sleep(level=self.config.sleep_level))
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what sleep() freed, all of it or the `tags` ("weights", "kv_cache")."""
+        wanted = self._asleep if tags is None else self._asleep & set(tags)
+        if wanted:
+            self._call(self.llm.wake_up(tags=sorted(wanted)))
+            self._asleep -= wanted
 
     def shutdown(self) -> None:
         """Stop vLLM and the loop thread (idempotent)."""

@@ -50,6 +50,14 @@ class AsyncRolloutWorker:
                                              first_key=first_prompt)
         return groups_to_result(groups, self.engine.weight_version, first_prompt)
 
+    def run_episodes(self, samples: list[dict], env_cfg: Any, sampling: SamplingSettings,
+                     first_prompt: int = 0) -> Any:
+        """Multi-turn episodes, each its own task on the engine's loop
+        (rollout/async_episodes.py): (TokenBatch, metrics)."""
+        from rlhf_megatron.rollout.async_episodes import run_episodes_on_async_engine
+
+        return run_episodes_on_async_engine(self.engine, env_cfg, samples, sampling, first_prompt)
+
     # refit ----------------------------------------------------------------------
     def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
@@ -71,10 +79,12 @@ class AsyncRolloutWorker:
 
     # the synchronous worker's remaining surface -----------------------------------
     def sleep(self) -> None:
-        """Async modes run on split pools: vLLM keeps its memory."""
+        """Free vLLM's memory while a colocated trainer runs (sync-mode episodes); a no-op on CPU
+        and on split pools, where nothing calls it."""
+        self.engine.sleep()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """See sleep()."""
+        self.engine.wake_up(tags)
 
     def node_ip(self) -> str:
         import ray
