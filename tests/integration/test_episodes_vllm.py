@@ -54,8 +54,6 @@ def _episodes_job(hf_dir: str, env_spec: str) -> dict:
     from rlhf_megatron.rollout.episodes import (
         ChatFormat,
         EpisodeRunner,
-        episode_metrics,
-        episodes_to_batch,
         vllm_turn_generator,
     )
 
@@ -78,10 +76,26 @@ def _episodes_job(hf_dir: str, env_spec: str) -> dict:
                             max_tokens_per_episode=120, tool_workers=4)
     runner = EpisodeRunner(load_environment(env_spec), cfg, chat, recording)
     episodes = runner.run(samples)
+    return _checked_against_hf(episodes, turns, tok, hf_dir)
+
+
+def _checked_against_hf(episodes: list, turns: list[tuple[int, list[int]]], tok, hf_dir: str,
+                        weights: dict | None = None) -> dict:
+    """The facts both runners' tests assert: kept ids = generated ids per episode, how many
+    generated turns would change under decode+encode, and the rollout log-probs' largest gap from
+    an fp32 HF forward of the whole multi-turn rows (HF weights from ``hf_dir``, then
+    ``weights`` if given)."""
+    import transformers
+
+    from rlhf_megatron.rollout.episodes import episode_metrics, episodes_to_batch
+
     batch = episodes_to_batch(episodes)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = model.eval()(input_ids=batch.input_ids,
+                              attention_mask=batch.attention_mask).logits
     lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
         -1, batch.input_ids[:, 1:, None]).squeeze(-1)
     lp = torch.nn.functional.pad(lp, (1, 0)) * batch.loss_mask
@@ -106,7 +120,7 @@ def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> d
     from rlhf_megatron.environments.config import EnvironmentConfig
     from rlhf_megatron.rollout import SamplingSettings
     from rlhf_megatron.rollout.async_episodes import AsyncEpisodeRunner
-    from rlhf_megatron.rollout.episodes import ChatFormat, episode_metrics, episodes_to_batch
+    from rlhf_megatron.rollout.episodes import ChatFormat
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     samples = [{"prompt": f"question {i}", "slow": SLOW_SECONDS if i == 0 else 0.0}
@@ -125,24 +139,8 @@ def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> d
 
     runner._record_turn = recording
     episodes = runner.run(samples)
-    batch = episodes_to_batch(episodes)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model.load_state_dict(weights, strict=False)
-    with torch.no_grad():
-        logits = model.eval()(input_ids=batch.input_ids,
-                              attention_mask=batch.attention_mask).logits
-    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
-        -1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    lp = torch.nn.functional.pad(lp, (1, 0)) * batch.loss_mask
-    kept = [[t for t, m in zip(e.ids, e.loss_mask) if m] for e in episodes]
-    generated = [sum((t for who, t in turns if who == i), []) for i in range(len(episodes))]
-    retok_changes = sum(tok.encode(tok.decode(t), add_special_tokens=False) != t for _, t in turns)
-    return {
-        "turns": [e.turns for e in episodes], "truncated": [e.truncated for e in episodes],
-        "kept_equals_generated": kept == generated, "retokenise_changes": retok_changes,
-        "lp_diff": (batch.rollout_logprobs - lp).abs().max().item(),
-        "metrics": episode_metrics(episodes), "log": list(env_cls.LOG),
-    }
+    return {**_checked_against_hf(episodes, turns, tok, hf_dir, weights),
+            "log": list(env_cls.LOG)}
 
 
 def assert_async_episodes(out: dict) -> None:
