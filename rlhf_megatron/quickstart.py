@@ -16,6 +16,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -120,16 +121,24 @@ def summary(run_dir: Path, window: int = 10) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlhf_megatron.quickstart",
-        description="Make the CPU quickstart's assets: a tiny random Llama model with a "
-                    "word-level tokenizer, and the addition task (train.jsonl, val.jsonl).")
+def assets_parser(prog: str, description: str, default_out: str) -> tuple[
+        argparse.ArgumentParser, Any, argparse.ArgumentParser]:
+    """A quickstart assets CLI: (parser, its subcommands, the `prepare` subcommand with --out and
+    --seed)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("prepare", help="write the model and the task files")
-    make.add_argument("--out", type=Path, default=Path("outputs/quickstart_assets"),
+    make.add_argument("--out", type=Path, default=Path(default_out),
                       help="directory to write (default: %(default)s)")
     make.add_argument("--seed", type=int, default=0, help="weights and split seed")
+    return parser, sub, make
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, sub, _ = assets_parser(
+        "python -m rlhf_megatron.quickstart",
+        "Make the CPU quickstart's assets: a tiny random Llama model with a word-level "
+        "tokenizer, and the addition task (train.jsonl, val.jsonl).", "outputs/quickstart_assets")
     report = sub.add_parser("summary", help="print a run's first and last figures")
     report.add_argument("run_dir", type=Path, nargs="?", default=Path("outputs/quickstart"))
     args = parser.parse_args(argv)

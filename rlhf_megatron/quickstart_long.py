@@ -14,13 +14,17 @@ chunks 1 and 2). configs/quickstart_long_cp_cpu.yaml trains it at TP1 x CP2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 from pathlib import Path
 
-from rlhf_megatron.quickstart import HELD_OUT_PAIRS, write_model, write_tokenizer
+from rlhf_megatron.quickstart import (
+    HELD_OUT_PAIRS,
+    assets_parser,
+    write_model,
+    write_tokenizer,
+)
 
 REPEATS = 8
 REWARD_FUNCTION = "rlhf_megatron/rewards/positional.py:positional_match"
@@ -51,15 +55,10 @@ def prepare(out: Path, seed: int = 0, repeats: int = REPEATS) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlhf_megatron.quickstart_long",
-        description="Make the long-response quickstart's assets: the quickstart's tiny model and "
-                    "the addition task with the sum repeated (train.jsonl, val.jsonl).")
-    sub = parser.add_subparsers(dest="command", required=True)
-    make = sub.add_parser("prepare", help="write the model and the task files")
-    make.add_argument("--out", type=Path, default=Path("outputs/quickstart_long_assets"),
-                      help="directory to write (default: %(default)s)")
-    make.add_argument("--seed", type=int, default=0, help="weights and split seed")
+    parser, _, make = assets_parser(
+        "python -m rlhf_megatron.quickstart_long",
+        "Make the long-response quickstart's assets: the quickstart's tiny model and the addition "
+        "task with the sum repeated (train.jsonl, val.jsonl).", "outputs/quickstart_long_assets")
     make.add_argument("--repeats", type=int, default=REPEATS, help="words in each answer")
     args = parser.parse_args(argv)
     print(f"long-response quickstart assets in {prepare(args.out, args.seed, args.repeats)}")
