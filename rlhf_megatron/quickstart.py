@@ -15,6 +15,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +64,18 @@ def write_model(out_dir: Path, seed: int, vocab_size: int | None = None) -> None
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
 
-def write_task(out_dir: Path, seed: int) -> tuple[Path, Path]:
+def write_task(out_dir: Path, seed: int, answer: Callable[[int], str] = str,
+               data_source: str = "addition") -> tuple[Path, Path]:
+    """train.jsonl / val.jsonl: prompts "a + b =" over a, b in 0..9, HELD_OUT_PAIRS of them (by
+    `seed`) held out for validation; the answer is `answer(a + b)`."""
     pairs = [(a, b) for a in range(10) for b in range(10)]
     random.Random(seed).shuffle(pairs)
     files = []
     for name, part in (("train", pairs[HELD_OUT_PAIRS:]), ("val", pairs[:HELD_OUT_PAIRS])):
         path = out_dir / f"{name}.jsonl"
         path.write_text("".join(
-            json.dumps({"prompt": f"{a} + {b} =", "answer": str(a + b),
-                        "data_source": "addition"}) + "\n" for a, b in part))
+            json.dumps({"prompt": f"{a} + {b} =", "answer": answer(a + b),
+                        "data_source": data_source}) + "\n" for a, b in part))
         files.append(path)
     return files[0], files[1]
 

@@ -14,17 +14,11 @@ chunks 1 and 2). configs/quickstart_long_cp_cpu.yaml trains it at TP1 x CP2.
 
 from __future__ import annotations
 
-import json
-import random
 import sys
 from pathlib import Path
 
-from rlhf_megatron.quickstart import (
-    HELD_OUT_PAIRS,
-    assets_parser,
-    write_model,
-    write_tokenizer,
-)
+from rlhf_megatron import quickstart
+from rlhf_megatron.quickstart import assets_parser, write_model, write_tokenizer
 
 REPEATS = 8
 REWARD_FUNCTION = "rlhf_megatron/rewards/positional.py:positional_match"
@@ -32,16 +26,8 @@ REWARD_FUNCTION = "rlhf_megatron/rewards/positional.py:positional_match"
 
 def write_task(out_dir: Path, seed: int, repeats: int = REPEATS) -> tuple[Path, Path]:
     """train.jsonl / val.jsonl: the quickstart's pairs and split, answers repeated."""
-    pairs = [(a, b) for a in range(10) for b in range(10)]
-    random.Random(seed).shuffle(pairs)
-    files = []
-    for name, part in (("train", pairs[HELD_OUT_PAIRS:]), ("val", pairs[:HELD_OUT_PAIRS])):
-        path = out_dir / f"{name}.jsonl"
-        path.write_text("".join(
-            json.dumps({"prompt": f"{a} + {b} =", "answer": " ".join([str(a + b)] * repeats),
-                        "data_source": "repeated_sum"}) + "\n" for a, b in part))
-        files.append(path)
-    return files[0], files[1]
+    return quickstart.write_task(out_dir, seed, lambda total: " ".join([str(total)] * repeats),
+                                 "repeated_sum")
 
 
 def prepare(out: Path, seed: int = 0, repeats: int = REPEATS) -> Path:
