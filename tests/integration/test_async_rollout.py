@@ -14,10 +14,7 @@ import time
 
 import pytest
 import torch
-from test_episodes_vllm import ENV_FILE, assert_async_episodes
-
-from rlhf_megatron.testing.multirank import run_on_ranks
-from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
+from test_episodes_vllm import assert_async_episodes, run_with_three_turn_env
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5]]
@@ -100,11 +97,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
 
 @pytest.mark.multirank
 def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
-    hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3ForCausalLM")
-    env_file = tmp_path / "three_turns.py"
-    env_file.write_text(ENV_FILE)
-    (out,) = run_on_ranks(_partial_rollout_job, 1, (str(hf_dir), f"{env_file}:ThreeTurns"),
-                          timeout_s=600, env=VLLM_ENV, init_distributed=False)
+    out = run_with_three_turn_env(_partial_rollout_job, tmp_path, VLLM_ENV)
     assert out["version"] == 1
     assert out["tokens_while_paused"] == 0, out
     assert sorted(out["keys"]) == [0, 1, 2] and out["counts"]["in_flight"] == 0, out

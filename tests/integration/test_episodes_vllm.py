@@ -162,13 +162,20 @@ def assert_async_episodes(out: dict) -> None:
     assert sum(t > slow[0] for t in later) >= 5, (slow, sorted(later))
 
 
-@pytest.mark.multirank
-def test_multi_turn_episodes_are_token_in_token_out(tmp_path):
+def run_with_three_turn_env(job, tmp_path, env: dict[str, str]) -> dict:
+    """`job(hf_dir, env_spec)` in one fresh process, on a tiny Qwen3 checkpoint and the
+    ThreeTurns environment (ENV_FILE) written under `tmp_path`; its result."""
     hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3ForCausalLM")
     env_file = tmp_path / "three_turns.py"
     env_file.write_text(ENV_FILE)
-    (out,) = run_on_ranks(_episodes_job, 1, (str(hf_dir), f"{env_file}:ThreeTurns"),
-                          timeout_s=600, env=VLLM_ENV, init_distributed=False)
+    (out,) = run_on_ranks(job, 1, (str(hf_dir), f"{env_file}:ThreeTurns"),
+                          timeout_s=600, env=env, init_distributed=False)
+    return out
+
+
+@pytest.mark.multirank
+def test_multi_turn_episodes_are_token_in_token_out(tmp_path):
+    out = run_with_three_turn_env(_episodes_job, tmp_path, VLLM_ENV)
     assert out["turns"] == [3] * 6 and not any(out["truncated"]), out
     assert out["kept_equals_generated"], out
     # Decoding and encoding vLLM's turns again would change some of them: ours are kept as is.
