@@ -8,7 +8,7 @@ is 1 for a right answer only, no bonus for calling the tool); on these multi-tur
 output masked) vLLM's rollout log-probs equal the Megatron actor's fp32 log-probs within 1e-4 at
 every step (`rollout/logprob_diff_max`, from the update's own forward under the on-policy
 shortcut); the recorded batch has two generated spans in rows that called the tool.
-Both runs join one Ray head."""
+Both runs join one Ray head (tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import REPO, RayHead, read_metrics, run_train
+from controller_harness import REPO, RayHead, read_metrics, run_train, window_means
 
 from rlhf_megatron.environments.quickstart import prepare
 
@@ -25,23 +25,11 @@ GRPO_STEPS = 30
 WINDOW = 10
 
 
-@pytest.fixture(scope="module")
-def head():
-    cluster = RayHead(num_cpus=4)
-    yield cluster
-    cluster.stop()
-
-
 def _train(config: str, head: RayHead, **values: object) -> None:
     values = {"metrics.plot": "false", "metrics.console": "false", **values}
     result = run_train([f"{k}={v}" for k, v in values.items()], head=head, timeout=600,
                        config=REPO / "configs" / config)
     assert result.returncode == 0, result.stderr[-4000:]
-
-
-def _first_last(records: list[dict], key: str) -> tuple[float, float]:
-    values = [r[key] for r in records]
-    return sum(values[:WINDOW]) / WINDOW, sum(values[-WINDOW:]) / WINDOW
 
 
 @pytest.mark.multirank
@@ -62,8 +50,8 @@ def test_tools_quickstart_learns_to_call_the_tool(tmp_path: Path, head: RayHead)
     assert len(steps) == GRPO_STEPS, steps
     diffs = [m["rollout/logprob_diff_max"] for m in steps]
     assert max(diffs) < 1e-4, diffs
-    tool_first, tool_last = _first_last(steps, "episode/tool_use_rate")
-    reward_first, reward_last = _first_last(steps, "reward/mean")
+    tool_first, tool_last = window_means(steps, "episode/tool_use_rate", WINDOW)
+    reward_first, reward_last = window_means(steps, "reward/mean", WINDOW)
     summary = {k: [round(m[k], 3) for m in steps]
                for k in ("episode/tool_use_rate", "reward/mean")}
     assert tool_last > tool_first + 0.1, summary  # measured: docs/ENVIRONMENTS.md

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from controller_harness import read_metrics, run_train, small_run_overrides
+from controller_harness import read_metrics, run_train, small_run_overrides, window_means
 
 from rlhf_megatron.quickstart import prepare, task_vocabulary
 
@@ -59,9 +59,7 @@ def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
 
-    rewards = [r["reward/mean"] for r in records]
-    first = sum(rewards[:WINDOW]) / WINDOW
-    last = sum(rewards[-WINDOW:]) / WINDOW
+    first, last = window_means(records, "reward/mean", WINDOW)
     assert last - first >= MARGIN, (first, last)
     # The second mini-batch's update runs after a step: its router would choose otherwise for
     # some tokens (drift), but replay routes them as recorded (mismatch 0).
