@@ -126,7 +126,9 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=args.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(args.rotary_base),
+        # Megatron annotates rotary_base as int but only uses it as `base ** (...)`: pass the
+        # float, or a fractional rope_theta (e.g. 10000.5) would be truncated.
+        rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
     if args.rope_scaling is not None:
