@@ -1,4 +1,9 @@
-"""Every configs/*.yaml loads and validates; each big-model config fits its cluster (`plan`)."""
+"""Every configs/*.yaml loads and validates, with the model-fit check run against its model's
+config.json; each big-model config fits its cluster (`plan`).
+
+The CPU configs name assets under the git-ignored outputs/ (written by the quickstarts'
+`prepare`), so this module builds them in a temporary folder and points the configs there:
+without them `validate_config` would skip the model-fit check (no config.json to read)."""
 
 from __future__ import annotations
 
@@ -6,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_megatron import quickstart, quickstart_long
 from rlhf_megatron.config import load_config, validate_config
 from rlhf_megatron.config.validate import model_hf_config
+from rlhf_megatron.environments import quickstart as tools_quickstart
+from rlhf_megatron.offline import quickstart as offline_quickstart
 from rlhf_megatron.planner import Cluster, plan_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,11 +27,41 @@ BIG_MODELS = {
     "llama3.1-70b_ppo_8x8.yaml": Cluster(8, 8, 80),
     "qwen2.5-72b_grpo_8x8.yaml": Cluster(8, 8, 80),
 }
+# the folders under outputs/ that the CPU configs read, and the `prepare` that writes each
+ASSETS = {
+    "quickstart_assets": quickstart.prepare,
+    "quickstart_long_assets": quickstart_long.prepare,
+    "offline_assets": offline_quickstart.prepare,
+    "quickstart_tools_assets": tools_quickstart.prepare,
+}
+# stage 2 of the tools quickstart starts from stage 1's checkpoint, which only a 400-step SFT run
+# writes; its hf_assets/config.json is a copy of the stage-1 model's, which the check reads instead
+STAGE_TWO = {"quickstart_tools_cpu.yaml": "quickstart_tools_assets/model/config.json"}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("configs") / "outputs"
+    for name, prepare in ASSETS.items():
+        prepare(out / name)
+    return out
 
 
 @pytest.fixture(autouse=True)
 def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO)  # paths in the configs are relative to the repository root
+
+
+def _load(path: Path, outputs: Path):
+    """`path` with its outputs/ paths moved under the built `outputs` folder."""
+    text = path.read_text()
+    if "outputs/" not in text:
+        return load_config(path), True
+    moved = outputs.parent / path.name
+    moved.write_text(text.replace("outputs/", f"{outputs}/"))
+    if path.name in STAGE_TWO:
+        return load_config(moved, [f"model.config_json={outputs / STAGE_TWO[path.name]}"]), False
+    return load_config(moved), True
 
 
 def test_the_big_model_configs_are_shipped():
@@ -32,9 +70,13 @@ def test_the_big_model_configs_are_shipped():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[path.name for path in CONFIGS])
-def test_config_loads_and_validates(path):
-    cfg = load_config(path)
-    validate_config(cfg, check_paths=False)
+def test_config_loads_and_validates(path, outputs):
+    cfg, local = _load(path, outputs)
+    # the model-fit check runs only when this is not None (validate.check_sections)
+    assert model_hf_config(cfg, check_paths=False) is not None, \
+        f"{path.name}: no config.json to check the model fit against"
+    # a CPU config's files all exist once built; a cluster config's paths are the cluster's
+    validate_config(cfg, check_paths=local and cfg.model.path.startswith(str(outputs)))
 
 
 @pytest.mark.parametrize("name", sorted(BIG_MODELS))
