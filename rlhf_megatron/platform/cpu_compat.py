@@ -121,6 +121,29 @@ def _run_with_cuda_calls_on_cpu(method: Callable[..., Any]) -> Callable[..., Any
     return method_on_cpu
 
 
+class CpuTensorTypesReadAsCuda(TorchFunctionMode):
+    """Inside this mode `tensor.type()` of a CPU tensor reads as its CUDA name
+    ('torch.BFloat16Tensor' -> 'torch.cuda.BFloat16Tensor'), for code that sorts tensors by it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
+            return args[0].type().replace("torch.", "torch.cuda.", 1)
+        return func(*args, **(kwargs or {}))
+
+
+def _float16_optimizer_functions() -> list[tuple[Any, str, Any]]:
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    init = Float16OptimizerWithFloat16Params.__init__
+
+    @functools.wraps(init)
+    def init_on_cpu(*args: Any, **kwargs: Any) -> None:
+        with CpuTensorTypesReadAsCuda():
+            init(*args, **kwargs)
+
+    return [(Float16OptimizerWithFloat16Params, "__init__", init_on_cpu)]
+
+
 def _tied_embedding_functions() -> list[tuple[Any, str, Any]]:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
@@ -263,6 +286,13 @@ CPU_SHIMS: tuple[CpuShim, ...] = (
             "megatron.core.optimizer.grad_scaler",
         ),
         functions=_clip_grad_functions,
+    ),
+    CpuShim(
+        name="float16_optimizer_params",
+        why="the bf16/fp16 optimizer (fp32 main params for bf16 model params) sorts parameters "
+        "by tensor.type() and refuses any that is not 'torch.cuda.*Tensor'",
+        modules=(),
+        functions=_float16_optimizer_functions,
     ),
     CpuShim(
         name="cp_rope_slice",

@@ -40,7 +40,8 @@ SEQ_LEN = 8
 VOCAB = 300
 NO_CUDA = "Torch not compiled with CUDA enabled"
 # What a missing shim raises: CUDA calls, or (cp_rope_slice) a pinned-memory allocation.
-NO_CUDA_ERRORS = (NO_CUDA, "pin_memory=True requires a CUDA or other accelerator backend")
+NO_CUDA_ERRORS = (NO_CUDA, "pin_memory=True requires a CUDA or other accelerator backend",
+                  "Wrapped parameters must be one of torch.cuda.FloatTensor")
 TIMEOUT_S = 240
 
 pytestmark = [
@@ -295,7 +296,55 @@ def _scenario_optimizer(skip: list[str]) -> dict:
     }
 
 
+def _scenario_bf16_optimizer(skip: list[str]) -> dict:
+    """bf16 model params with fp32 main params (Megatron's Float16OptimizerWithFloat16Params, the
+    GPU recipe): one Adam step against torch.optim.AdamW on fp32 copies of the same values."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
+    from rlhf_megatron.parallel import initialize_layout
+    from rlhf_megatron.testing.tiny_models import tiny_hf_config
+
+    dims = _one_rank_dims()
+    initialize_layout(dims, seed=SEED, skip_cpu_shims=skip)
+
+    hf_config = tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, num_layers=2)
+    args = hf_to_megatron_args(hf_config, ARCHITECTURES.for_hf_config(hf_config), dims,
+                               params_dtype=torch.bfloat16)
+    (chunk,) = build_model_chunks(args)
+    tc = args.transformer_config
+    ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  Float16Module(tc, chunk))
+    config = OptimizerConfig(optimizer="adam", lr=OPT_LR, weight_decay=0.0, adam_beta1=OPT_BETAS[0],
+                             adam_beta2=OPT_BETAS[1], adam_eps=OPT_EPS, clip_grad=0.0, bf16=True,
+                             params_dtype=torch.bfloat16, use_distributed_optimizer=False)
+    optimizer = get_megatron_optimizer(config, [ddp], config_overrides={},
+                                       use_gloo_process_groups=False)
+    _forward_loss(ddp, _batch(2)).backward()
+    named = list(ddp.module.named_parameters())
+    before = {name: p.detach().float().clone() for name, p in named}
+    grads = {name: p.main_grad.detach().clone() for name, p in named}
+    optimizer.step()
+    copies = {name: torch.nn.Parameter(before[name].clone()) for name in before}
+    for name, copy in copies.items():
+        copy.grad = grads[name].clone()
+    torch.optim.AdamW(list(copies.values()), lr=OPT_LR, betas=OPT_BETAS, eps=OPT_EPS,
+                      weight_decay=0.0).step()
+    main = {name: p.main_param for name, p in named}
+    return {
+        "model_dtypes": sorted({str(p.dtype) for _, p in named}),
+        "main_dtypes": sorted({str(m.dtype) for m in main.values()}),
+        "main_vs_torch": max((main[n] - copies[n].detach()).abs().max().item() for n in main),
+        "model_is_rounded_main": all(torch.equal(p.detach(), main[n].to(torch.bfloat16))
+                                     for n, p in named),
+        "param_max_update": max((main[n] - before[n]).abs().max().item() for n in main),
+    }
+
+
 ONE_RANK_SCENARIOS = {
+    "float16_optimizer_params": _scenario_bf16_optimizer,
     "rng_tracker": _scenario_rng_tracker,
     "current_device": _scenario_forward,
     "checkpoint_sync": _scenario_checkpoint,
@@ -411,6 +460,7 @@ def _two_rank_job() -> dict:
 
 # Where each shim's absence must surface: the innermost Megatron frame of the traceback.
 EXPECTED_FRAMES = {
+    "float16_optimizer_params": ("optimizer/optimizer.py",),
     "rng_tracker": ("tensor_parallel/random.py",),
     "current_device": ("models/common/embeddings/rotary_pos_embedding.py",),
     "checkpoint_sync": ("dist_checkpointing/strategies/",),
@@ -517,6 +567,17 @@ def test_clipped_adam_step_equals_torch(one_rank_results):
     assert value["param_max_diff"] < 1e-6, value
     assert value["param_max_diff_vs_coupled_adam"] > 1e-5, value  # the comparison can tell
     assert value["param_max_update"] > 1e-3, value  # the step did move the weights
+
+
+def test_bf16_params_with_fp32_main_params_step_like_torch(one_rank_results):
+    value = _assert_ok(one_rank_results[("float16_optimizer_params", "all")], "bf16 optimizer")
+    assert value["model_dtypes"] == ["torch.bfloat16"], value
+    assert value["main_dtypes"] == ["torch.float32"], value
+    # The fp32 main params take torch's AdamW step (same fp32 grads: fp32 arithmetic noise), and
+    # the bf16 model params are exactly those main params rounded.
+    assert value["main_vs_torch"] < 1e-6, value
+    assert value["model_is_rounded_main"], value
+    assert value["param_max_update"] > 1e-3, value
 
 
 def test_pp2_schedule_trains_with_shims(two_rank_results):
