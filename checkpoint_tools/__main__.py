@@ -2,7 +2,7 @@
 
     python -m checkpoint_tools hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp 2 --pp 2] [--dtype bf16]
     python -m checkpoint_tools mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB] [--dtype bf16]
-    python -m checkpoint_tools verify --hf HF_DIR --ckpt CKPT_DIR [--tp 2 --pp 2]
+    python -m checkpoint_tools verify --hf HF_DIR --ckpt CKPT_DIR [--tp 2 --pp 2] [--compute-dtype bf16]
     python -m checkpoint_tools inspect DIR
 
 Bad input prints one line on stderr and exits 2; `verify` exits 1 when the log-probs, the top-1
@@ -57,7 +57,8 @@ def _verify(args: argparse.Namespace) -> int:
     from checkpoint_tools.verify import compare
 
     result = compare(args.hf, args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch,
-                     seq_len=args.seq_len, tolerance=args.tolerance)
+                     seq_len=args.seq_len, tolerance=args.tolerance,
+                     compute_dtype=args.compute_dtype)
     verdict = "OK" if result.ok else "MISMATCH"
     print(f"{result.summary()}; tp={args.tp} pp={args.pp}: {verdict}")
     return 0 if result.ok else EXIT_MISMATCH
@@ -126,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="max |log-prob diff| allowed (default: 10x HF's own rounding noise on "
                      "the same tokens, measured, with a floor scaled to dtype, depth and logit "
                      "size); KL must stay under its square and no top-1 may flip by more")
+    sub.add_argument("--compute-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                     help="dtype the forward passes compute in (default fp32: bf16/fp16 weights "
+                     "are upcast exactly on both sides, so any difference above fp32 rounding, "
+                     "~1e-5 nats, is a conversion error). bf16/fp16 keeps that fp32 check and "
+                     "adds a dtype check: Megatron also runs in that dtype against the fp32 "
+                     "reference, within 10x HF's own rounding noise in that dtype (which reaches "
+                     "nats on deep models, far too loose to catch a mapping error alone)")
 
     sub = add("inspect", _inspect, "architecture, parameter count, dtypes and layout of an HF "
               "directory or a converted checkpoint")

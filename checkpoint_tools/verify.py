@@ -5,7 +5,15 @@ judged: it grows with depth, sequence length and logit scale even for a correct 
 
 At TP=PP=1 it runs in this process; otherwise it spawns tp*pp local gloo ranks (CPU) that load
 the dist-checkpoint at that layout, run the forward-only pipeline schedule and compare on the last
-stage. HF always runs in fp32; the Megatron model runs in the checkpoint's dtype.
+stage.
+
+Compute dtype. By default both sides run in fp32, whatever the checkpoint's dtype: bf16 / fp16
+weights are upcast exactly on load, so HF and Megatron hold identical values and differ only by
+fp32 rounding (~1e-5 nats). A mapping error is a question of which values go where, not of the
+dtype; judged against bf16 rounding noise instead (which grows to nats on a deep model) most
+mapping errors pass. `compute_dtype="bf16"` (or fp16) keeps that fp32 check, which decides
+whether values went to the right place, and adds the dtype check: Megatron also runs in that dtype
+against the fp32 reference, judged against HF's own rounding noise in that dtype. Both must pass.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any
 import torch
 
 from checkpoint_tools.common import DTYPES, ConvertedMetadata, process_group_of_one
-from rlhf_megatron.errors import CheckpointError, LayoutError
+from rlhf_megatron.errors import CheckpointError, ConfigError, LayoutError
 
 # The default tolerance on max |log-prob diff| is NOISE_FACTOR x the model's own rounding noise
 # on these tokens (`Comparison.noise`: HF run a second, equally valid way), and at least a floor
@@ -51,6 +59,9 @@ class Comparison:
     positions: int
     noise: float = 0.0  # max |log-prob diff| between HF and HF run a second way (the probe)
     logprob_tolerance: float = 0.0
+    compute_dtype: str = "fp32"  # what the Megatron side computed in
+    # With a bf16 / fp16 compute dtype: that run's comparison (the fp32 one is this object).
+    dtype_check: Comparison | None = None
 
     @property
     def clear_top1_flips(self) -> int:
@@ -62,11 +73,25 @@ class Comparison:
         return self.logprob_tolerance ** 2
 
     @property
-    def ok(self) -> bool:
+    def within_tolerance(self) -> bool:
+        """This comparison alone (not `dtype_check`) passes."""
         return (self.max_logprob_diff <= self.logprob_tolerance and self.clear_top1_flips == 0
                 and self.max_kl <= self.kl_tolerance)
 
+    @property
+    def ok(self) -> bool:
+        return self.within_tolerance and (self.dtype_check is None or self.dtype_check.ok)
+
     def summary(self) -> str:
+        text = f"compute dtype fp32 (mapping check): {self._numbers()}"
+        if self.dtype_check is not None:
+            check = self.dtype_check
+            verdict = "ok" if check.within_tolerance else "FAILS"
+            text += (f"; compute dtype {check.compute_dtype} (dtype check, {verdict}): "
+                     f"{check._numbers()}")
+        return text
+
+    def _numbers(self) -> str:
         return (f"max |log-prob diff| = {self.max_logprob_diff:.3e} (tolerance "
                 f"{self.logprob_tolerance:.1e}); top-1 agreement {100 * self.top1_agreement:.2f}% "
                 f"({self.clear_top1_flips} clear flips); KL mean {self.mean_kl:.2e} max "
@@ -124,14 +149,14 @@ def compare_logits(reference: torch.Tensor, logits: torch.Tensor, *,
                       max(stats["kl_max"], 0.0), math.sqrt(stats["sq"] / positions), positions)
 
 
-def _megatron_args(metadata: ConvertedMetadata, tp: int, pp: int) -> Any:
+def _megatron_args(metadata: ConvertedMetadata, tp: int, pp: int, compute_dtype: str) -> Any:
     from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
     from rlhf_megatron.parallel import ParallelDims
 
     config = metadata.hf_config_object()
     spec = ARCHITECTURES.get(metadata.architecture)
     args = hf_to_megatron_args(config, spec, ParallelDims(tp * pp, tp=tp, pp=pp),
-                               params_dtype=DTYPES[metadata.dtype])
+                               params_dtype=DTYPES[compute_dtype])
     if metadata.padded_vocab_size % tp:
         raise LayoutError(
             f"the checkpoint's padded vocabulary ({metadata.padded_vocab_size}) is not divisible "
@@ -143,12 +168,19 @@ def _megatron_args(metadata: ConvertedMetadata, tp: int, pp: int) -> Any:
                                padded_vocab_size=metadata.padded_vocab_size)
 
 
-def compare_on_this_rank(
-    hf_dir: str, ckpt_dir: str, tp: int, pp: int, batch: int, seq_len: int, seed: int
-) -> Comparison | None:
-    """HF against Megatron on the last pipeline stage (tolerance not set); None on other stages."""
+def verify_tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
+    """The random (batch, seq_len) token ids `verify` runs both models on."""
+    return torch.randint(0, vocab_size, (batch, seq_len),
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def megatron_logits_on_this_rank(ckpt_dir: str, tp: int, pp: int, tokens: torch.Tensor,
+                                 compute_dtype: str = "fp32",
+                                 seed: int = 0) -> torch.Tensor | None:
+    """Megatron's (batch, seq, vocab) fp32 logits of `tokens`, the checkpoint loaded at this
+    TP/PP layout with parameters in `compute_dtype` (stored tensors are cast on load: bf16 ->
+    fp32 is exact); None on all but the last pipeline stage."""
     import torch.distributed as dist
-    import transformers
 
     from rlhf_megatron.engines.checkpoint import load_chunk_weights
     from rlhf_megatron.models import build_model_chunks
@@ -157,43 +189,84 @@ def compare_on_this_rank(
 
     metadata = ConvertedMetadata.read(ckpt_dir)
     with parallel_layout(ParallelDims(dist.get_world_size(), tp=tp, pp=pp), seed=seed):
-        args = _megatron_args(metadata, tp, pp)
-        chunks = build_model_chunks(args)
+        chunks = build_model_chunks(_megatron_args(metadata, tp, pp, compute_dtype))
         load_chunk_weights(chunks, ckpt_dir)  # model keys only: a training checkpoint works too
-        tokens = torch.randint(0, metadata.vocab_size, (batch, seq_len),
-                               generator=torch.Generator().manual_seed(seed))
         logits = forward_logits(chunks, tokens, vocab_size=metadata.vocab_size)
         del chunks
-    if logits is None:
-        return None
+    return None if logits is None else logits.float()
+
+
+@dataclass(frozen=True)
+class HfReference:
+    """HF's fp32 eager logits of some tokens and its own rounding noise on them, per compute
+    dtype: max |log-prob diff| against HF run another valid way (`_noise_probe`)."""
+
+    logits: torch.Tensor  # (batch, seq, vocab) fp32
+    noise: dict[str, float]
+    num_layers: int
+
+
+def hf_reference(hf_dir: str | Path, tokens: torch.Tensor,
+                 dtypes: tuple[str, ...] = ("fp32",)) -> HfReference:
+    """Run HF (fp32, eager attention) on `tokens` and probe its noise for each of `dtypes`."""
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager"
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager"
     )
     with torch.no_grad():
-        reference = model(tokens).logits
-    noise = _noise_probe(model, tokens, reference, metadata.dtype)
-    del model
-    return dataclasses.replace(compare_logits(reference, logits.float()), noise=noise)
+        logits = model(tokens).logits
+    noise = {}
+    for dtype in ["fp32", *sorted(set(dtypes) - {"fp32"})]:  # fp32 first: the probes cast
+        noise[dtype] = _noise_probe(model, tokens, logits, dtype)
+    return HfReference(logits, noise, model.config.num_hidden_layers)
 
 
-def max_logit_diff_on_this_rank(
-    hf_dir: str, ckpt_dir: str, tp: int, pp: int, batch: int, seq_len: int, seed: int
-) -> float | None:
-    """The max |logit diff| on the last pipeline stage; None on other stages (kept for callers
-    of the old API; `compare_on_this_rank` reports what `verify` judges)."""
-    result = compare_on_this_rank(hf_dir, ckpt_dir, tp, pp, batch, seq_len, seed)
-    return None if result is None else result.max_logit_diff
+def judge(reference: HfReference, logits: dict[str, torch.Tensor]) -> Comparison:
+    """Megatron's logits per compute dtype ("fp32" required) against `reference`, each with
+    the default tolerance for its dtype; a non-fp32 one becomes `dtype_check`."""
+    results = {}
+    for dtype, megatron in logits.items():
+        result = compare_logits(reference.logits, megatron)
+        noise = reference.noise[dtype]
+        results[dtype] = dataclasses.replace(
+            result, noise=noise, compute_dtype=dtype, logprob_tolerance=logprob_tolerance(
+                dtype, reference.num_layers, result.logit_rms, noise))
+    extra = [results[d] for d in results if d != "fp32"]
+    return dataclasses.replace(results["fp32"], dtype_check=extra[0] if extra else None)
+
+
+def compare_on_this_rank(
+    hf_dir: str, ckpt_dir: str, tp: int, pp: int, batch: int, seq_len: int, seed: int,
+    compute_dtype: str = "fp32",
+) -> Comparison | None:
+    """HF against Megatron on the last pipeline stage (default tolerances); None on other
+    stages. Megatron runs in fp32, and also in `compute_dtype` when that is not fp32."""
+    metadata = ConvertedMetadata.read(ckpt_dir)
+    tokens = verify_tokens(metadata.vocab_size, batch, seq_len, seed)
+    logits = {dtype: megatron_logits_on_this_rank(ckpt_dir, tp, pp, tokens, dtype, seed)
+              for dtype in dict.fromkeys(["fp32", compute_dtype])}
+    if logits["fp32"] is None:
+        return None
+    return judge(hf_reference(hf_dir, tokens, tuple(logits)), logits)
+
+
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def compare(
     hf_dir: str | Path, ckpt_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 2,
     seq_len: int = 32, seed: int = 0, tolerance: float | None = None,
+    compute_dtype: str = "fp32",
 ) -> Comparison:
-    """Run both models and compare them; `tolerance` on max |log-prob diff| (None: the default
-    for the checkpoint's dtype and depth, `logprob_tolerance`). Raises typed errors for
+    """Run both models and compare them. `compute_dtype`: fp32 (default) runs both sides in
+    fp32; bf16 / fp16 also runs Megatron in that dtype (`Comparison.dtype_check`). `tolerance`
+    on the fp32 max |log-prob diff| (None: `logprob_tolerance`). Raises typed errors for
     mismatched or broken inputs."""
     from rlhf_megatron.models.hf_checkpoint import load_hf_config
 
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"compute dtype {compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
     hf_dir, ckpt_dir = Path(hf_dir), Path(ckpt_dir)
     metadata = ConvertedMetadata.read(ckpt_dir)
     hf_config = load_hf_config(hf_dir)
@@ -202,9 +275,9 @@ def compare(
         raise CheckpointError(
             f"checkpoint {ckpt_dir} holds {metadata.architecture}, but {hf_dir} holds {hf_arch}"
         )
-    _megatron_args(metadata, tp, pp)  # layout errors before any rank starts
+    _megatron_args(metadata, tp, pp, compute_dtype)  # layout errors before any rank starts
     seq_len = min(seq_len, hf_config.max_position_embeddings)
-    call = (str(hf_dir), str(ckpt_dir), tp, pp, batch, seq_len, seed)
+    call = (str(hf_dir), str(ckpt_dir), tp, pp, batch, seq_len, seed, compute_dtype)
     if tp * pp == 1:
         with process_group_of_one():
             results = [compare_on_this_rank(*call)]
@@ -213,18 +286,17 @@ def compare(
 
         results = run_on_ranks(compare_on_this_rank, tp * pp, call, timeout_s=3600)
     result = next(r for r in results if r is not None)
-    if tolerance is None:
-        tolerance = logprob_tolerance(metadata.dtype, hf_config.num_hidden_layers,
-                                      result.logit_rms, result.noise)
-    return dataclasses.replace(result, logprob_tolerance=tolerance)
+    return result if tolerance is None else dataclasses.replace(result,
+                                                                logprob_tolerance=tolerance)
 
 
 def run_verify(
     hf_dir: str | Path, ckpt_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 2,
     seq_len: int = 32, seed: int = 0, tolerance: float | None = None,
+    compute_dtype: str = "fp32",
 ) -> tuple[float, float]:
-    """(max |log-prob diff|, its tolerance): `compare` reduced to the number it judges most
-    (`compare(...).ok` also checks top-1 agreement and KL)."""
+    """(max |log-prob diff|, its tolerance) of the fp32 comparison: `compare` reduced to the
+    number it judges most (`compare(...).ok` also checks top-1, KL and any dtype check)."""
     result = compare(hf_dir, ckpt_dir, tp=tp, pp=pp, batch=batch, seq_len=seq_len, seed=seed,
-                     tolerance=tolerance)
+                     tolerance=tolerance, compute_dtype=compute_dtype)
     return result.max_logprob_diff, result.logprob_tolerance
