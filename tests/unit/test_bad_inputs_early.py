@@ -36,9 +36,16 @@ def test_plan_rejects_a_non_finite_gpu_memory(capsys, value):
 
 
 def test_plan_with_little_memory_does_not_invent_a_value(capsys):
-    code, line = _plan(capsys, "--gpu-mem-gb", "1.5")
-    assert code in (0, 1), line  # a verdict, not an error about -0.5
-    assert "-0.5" not in line
+    # 1.5 GiB is under the suggester's 2 GiB headroom: it once planned a -0.5 GiB cluster and
+    # exited 2 on its own error. Now: the verdict "does not fit" (exit 1), no error line.
+    code = main(["plan", "--config", str(PLANNED), "--nodes", "2", "--gpus-per-node", "8",
+                 "--gpu-mem-gb", "1.5"])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.err == "", captured.err
+    out = captured.out.strip().splitlines()
+    assert "Verdict: DOES NOT FIT" in out, out
+    assert out[-1].startswith("No layout of the searched kind fits this cluster"), out[-1]
+    assert "-0.5" not in captured.out
 
 
 @pytest.mark.parametrize("override, key", [("actor.layout.tp=0", "actor.layout.tp=0"),
