@@ -165,6 +165,12 @@ class RolloutSection:
     """'auto': engines on the sender's node read each bucket in place (CUDA IPC on GPU, shared
     memory on CPU), engines on other nodes get it by torch.distributed broadcast; 'local' or
     'broadcast' force one path (tests, diagnosis)."""
+    max_logprob_diff: float | None = None
+    """Drift alarm (rollout/drift.py): after a refit, rollout/logprob_diff_mean above this many
+    nats means vLLM samples from other weights than the trainer's. Default: the compute dtype's
+    step-1 noise with a margin (1e-3 fp32, 2e-2 bf16; docs/ROLLOUT_AND_REFIT.md)."""
+    on_logprob_drift: str = "warn"
+    """What the drift alarm does: 'warn' (once, with the figures) or 'error' (stop the run)."""
 
 
 @dataclass

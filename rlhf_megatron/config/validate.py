@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 
+logger = logging.getLogger(__name__)
 ALGORITHMS = ("grpo", "ppo")
 KL_MODES = ("loss", "reward", "none")
 RESOURCE_MODES = ("colocated", "split")
@@ -59,6 +61,7 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
                  ("rollout.val_sampling", cfg.rollout.val_sampling.validate)]
     check_sections(cfg, sections, _check_model_fits, check_paths=check_paths)
     _check_batches(cfg)
+    _check_rollout_dtype(cfg)
     return plan_devices(cfg)
 
 
@@ -257,6 +260,25 @@ def _check_model_fits(cfg: TrainConfig, hf: Any) -> None:
 
 def _layouts(cfg: TrainConfig) -> list[tuple[str, LayoutSpec]]:
     return [(role, section.layout) for role, section in megatron_roles(cfg)]
+
+
+def _check_rollout_dtype(cfg: TrainConfig) -> None:
+    """The drift alarm's settings, and the rule that the sampled weights are the trained ones:
+    an actor that computes in another dtype than the rollout is warned about (one line). An fp32
+    actor with a bf16 rollout loses every update below bf16's resolution on the way to vLLM
+    (docs/ROLLOUT_AND_REFIT.md); it runs, and the drift alarm watches it."""
+    from rlhf_megatron.rollout.drift import DRIFT_MODES, rollout_dtype_name
+
+    rollout = cfg.rollout
+    _one_of("rollout.on_logprob_drift", rollout.on_logprob_drift, DRIFT_MODES)
+    if rollout.max_logprob_diff is not None and not rollout.max_logprob_diff > 0:
+        raise ConfigError(f"rollout.max_logprob_diff={rollout.max_logprob_diff} must be > 0 "
+                          "(nats), or unset for the dtype's default")
+    actor, engine = cfg.actor.engine.dtype, rollout.engine.dtype
+    if engine != "auto" and rollout_dtype_name(actor) != engine:
+        logger.warning("actor.engine.dtype=%s but rollout.engine.dtype=%s: vLLM samples from "
+                       "other weights than the trainer trains; set both to the same dtype",
+                       actor, engine)
 
 
 def _check_batches(cfg: TrainConfig) -> None:

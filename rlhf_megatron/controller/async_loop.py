@@ -194,6 +194,7 @@ def train_steps_async(run: Run, store: CheckpointStore, logger: MetricsLogger, s
         metrics["weight_version"] = float(run.weight_version)
         metrics["async/dropped_total"] = dropped_total
         logger.log(step, metrics)
+        phases.check_logprob_drift(run, step, metrics)  # the weights the last refit sent
         last = step == trainer.total_steps
         saved = None
         if (trainer.save_every and step % trainer.save_every == 0) or last:

@@ -44,6 +44,7 @@ from rlhf_megatron.engines.actor import PolicyUpdateSettings
 from rlhf_megatron.rewards import RewardManager
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_batch import logprob_diff_by_lag
+from rlhf_megatron.rollout.drift import LogprobDriftAlarm, default_max_logprob_diff
 from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
 
@@ -64,6 +65,8 @@ class Run:
     stream: Any = None
     """rollout_mode one_step_off/async: the keyed prompt stream (controller/async_stream.py),
     saved in checkpoints; None in sync mode."""
+    drift_alarm: LogprobDriftAlarm | None = None
+    """Built by the first check_logprob_drift (rollout.max_logprob_diff, on_logprob_drift)."""
 
 
 class _Done:
@@ -202,6 +205,20 @@ def policy_forward_metrics(run: Run, batch: TokenBatch, out: ActorLogProbs) -> d
     # Async modes: the same difference per version lag (batch field token_versions).
     metrics.update(logprob_diff_by_lag(batch, out.logprobs, run.weight_version))
     return metrics
+
+
+def check_logprob_drift(run: Run, step: int, metrics: dict[str, float]) -> None:
+    """The drift alarm (rollout/drift.py) on step `step`'s rollout-vs-trainer difference, which
+    judges the weights the last refit sent. Both loops call it once a step, after logging the
+    step's metrics. Async modes judge only the tokens sampled by the weights the trainer had
+    (lag 0, version step - 1); a sync step's tokens all come from rollout/weight_version."""
+    rollout, sync = run.cfg.rollout, run.cfg.trainer.rollout_mode == "sync"
+    if run.drift_alarm is None:
+        threshold = rollout.max_logprob_diff or default_max_logprob_diff(
+            run.cfg.actor.engine.dtype, rollout.engine.dtype)
+        run.drift_alarm = LogprobDriftAlarm(threshold, rollout.on_logprob_drift)
+    version = int(metrics.get("rollout/weight_version", step - 1)) if sync else step - 1
+    run.drift_alarm.check(step, version, metrics, per_token_versions=not sync)
 
 
 def compute_advantages_phase(run: Run, batch: TokenBatch,

@@ -71,6 +71,7 @@ def train_steps(run: Run, store: CheckpointStore, logger: MetricsLogger, start_s
         metrics.update(timer.metrics())
         metrics["weight_version"] = float(run.weight_version)
         logger.log(step, metrics)
+        phases.check_logprob_drift(run, step, metrics)  # the weights the last refit sent
         if progress is not None:
             progress.update(1)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
