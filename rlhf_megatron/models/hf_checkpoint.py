@@ -83,6 +83,8 @@ def _leading_rows(index: Any, shape: torch.Size) -> tuple[int, int] | None:
     if isinstance(index, tuple):
         if not index or any(i != slice(None) and i is not Ellipsis for i in index[1:]):
             return None
+        if sum(i is not Ellipsis for i in index) > len(shape):  # too many indices: the slow
+            return None  # path raises, as slicing the tensor would
         index = index[0]
     if not isinstance(index, slice) or index.step not in (None, 1):
         return None
