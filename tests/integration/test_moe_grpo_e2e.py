@@ -68,5 +68,7 @@ def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
         assert r["actor/moe/routing_mismatch"] == 0.0, r
         assert r["actor/moe/aux_loss"] > 0, r
         assert r["actor/moe/load_max/layer1"] >= 1.0 >= r["actor/moe/load_min/layer1"], r
-        # vLLM follows the refitted MoE weights (a skipped expert prepack gives ~0.3)
-        assert r["rollout/logprob_diff_max"] < 0.05, r
+        # vLLM follows the refitted MoE weights (a skipped expert prepack gives ~0.3). The bound
+        # is the dense tests' 1e-4 (vLLM-CPU vs HF sampled-token log-probs in fp32, STACK.md):
+        # measured 2.4e-7-1.4e-6 here, so 70x headroom for another summation order
+        assert r["rollout/logprob_diff_max"] < 1e-4, r
