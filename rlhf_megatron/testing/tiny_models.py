@@ -118,6 +118,22 @@ def write_tiny_hf_checkpoint(
     return out_dir
 
 
+def write_tiny_moe(model_dir: str | Path, vocab_size: int, seed: int = 0) -> Path:
+    """A smaller Qwen3-MoE for learning runs (hidden 64, 2 layers, 2 heads, 4 experts top-2,
+    init std 0.02), random weights from `seed`, written to `model_dir` next to the caller's
+    tokenizer (the norms are left at 1)."""
+    import transformers
+
+    config = tiny_hf_config(
+        "Qwen3MoeForCausalLM", vocab_size=vocab_size, num_layers=2, hidden_size=64,
+        intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=64, initializer_range=0.02, router_aux_loss_coef=0.001)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    return Path(model_dir)
+
+
 def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
     # Norm weights initialise to exactly 1 and biases to 0; perturb them so that a mapping that
     # drops or swaps a norm or bias cannot pass a parity test by accident.

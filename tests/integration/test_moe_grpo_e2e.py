@@ -17,37 +17,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from controller_harness import read_metrics, run_train, small_run_overrides, window_means
 
 from rlhf_megatron.quickstart import prepare, task_vocabulary
+from rlhf_megatron.testing.tiny_models import write_tiny_moe
 
 STEPS = 30
 WINDOW = 8
 MARGIN = 0.02
 
 
-def write_tiny_moe(model_dir: Path, seed: int = 0) -> None:
-    """A tiny Qwen3-MoE over the quickstart vocabulary, random weights from `seed`."""
-    import transformers
-
-    config = transformers.Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=len(task_vocabulary()), hidden_size=64,
-        intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, initializer_range=0.02, router_aux_loss_coef=0.001)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-
-
 def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
     assets = prepare(tmp_path / "assets")
     for stale in (assets / "model").glob("*.safetensors"):
         stale.unlink()
-    write_tiny_moe(assets / "model")
+    write_tiny_moe(assets / "model", len(task_vocabulary()))
     run_dir = tmp_path / "run"
     overrides = small_run_overrides(assets, run_dir, **{
         "data.prompts_per_step": 16, "rollout.sampling.n": 16,
