@@ -57,7 +57,7 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
     sections = [(f"{name}.engine", engine.validate) for name, engine in _engines(cfg)]
     sections += [("reward", cfg.reward.validate),
                  ("environment", lambda: cfg.environment.validate(cfg)),
-                 ("rollout.sampling", cfg.rollout.sampling.validate),
+                 ("rollout.sampling", cfg.rollout.sampling.validate_for_training),
                  ("rollout.val_sampling", cfg.rollout.val_sampling.validate)]
     check_sections(cfg, sections, _check_model_fits, check_paths=check_paths)
     _check_batches(cfg)

@@ -23,6 +23,9 @@ BATCH_FIELDS: dict[str, str] = {
     "token_level_rewards": "(bs, S): rewards per token (score at the last token, minus KL)",
     "advantages": "(bs, S): advantages of the configured estimator",
     "returns": "(bs, S): returns (the critic's targets)",
+    "temperature": "(bs,) float32: the temperature the row was sampled at (data/sampling.py)",
+    "top_p": "(bs,) float32: the row's top-p (1: off)",
+    "top_k": "(bs,) int64: the row's top-k (-1: off)",
 }
 """The batch fields the controller's phases produce, by name: producer and shape."""
 
@@ -69,6 +72,9 @@ class TokenBatch:
     token_level_rewards = _Field()
     advantages = _Field()
     returns = _Field()
+    temperature = _Field()
+    top_p = _Field()
+    top_k = _Field()
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:

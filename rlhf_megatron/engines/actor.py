@@ -26,6 +26,7 @@ from rlhf_megatron.algorithms import (
 )
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.packing import unpack_rows
+from rlhf_megatron.data.sampling import SampledDistribution, sampled_distribution
 from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
 from rlhf_megatron.engines.vocab_parallel import next_token_logprobs
 from rlhf_megatron.errors import ConfigError
@@ -54,10 +55,12 @@ class PolicyUpdateSettings:
 def token_values_from_logits(
     engine: MegatronEngine, micro: MicroBatch, logits: torch.Tensor, *, compute_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(b, S) log-probs (and entropy) of micro.rows' tokens, aligned with input_ids."""
+    """(b, S) log-probs (and entropy) of micro.rows' tokens, aligned with input_ids, of the
+    distribution each row was sampled from (its temperature, top-k and top-p fields;
+    data/sampling.py): every pass (old, reference, update, entropy) comes through here."""
     shifted_lp, shifted_ent = next_token_logprobs(
         logits, micro.full_tokens, vocab_size=engine.vocab_size,
-        compute_entropy=compute_entropy, cp=micro.cp,
+        compute_entropy=compute_entropy, cp=micro.cp, sampling=position_sampling(micro),
     )
 
     def align(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -72,6 +75,24 @@ def token_values_from_logits(
         return rows
 
     return align(shifted_lp), align(shifted_ent)
+
+
+def position_sampling(micro: MicroBatch) -> SampledDistribution | None:
+    """The rows' sampling settings laid out like the logits' positions: (b, 1) for dense rows,
+    (1, T) for packed ones (each row's value over its padded span), this CP rank's share of
+    them under context parallelism. None for rows without sampling fields."""
+    rows = sampled_distribution(micro.rows.fields)
+    if rows is None:
+        return None
+    if micro.packed is None:
+        return rows.expand(lambda t: t.unsqueeze(-1))
+    lengths = micro.packed.padded_lengths.to(rows.temperature.device)
+
+    def per_position(t: torch.Tensor) -> torch.Tensor:
+        spread = torch.repeat_interleave(t, lengths).unsqueeze(0)
+        return spread if micro.cp is None else micro.cp.local(spread)
+
+    return rows.expand(per_position)
 
 
 class ReferenceEngine(MegatronEngine):

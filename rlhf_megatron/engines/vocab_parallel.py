@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_megatron.data.sampling import SampledDistribution
+
 
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
@@ -23,6 +25,7 @@ def vocab_parallel_logprobs(
     *,
     vocab_size: int,
     compute_entropy: bool = True,
+    sampling: SampledDistribution | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and the entropy of each position's distribution.
 
@@ -30,6 +33,10 @@ def vocab_parallel_logprobs(
         computed in fp32).
     targets: (...) int64 global token ids (< vocab_size).
     vocab_size: the real (unpadded) vocabulary size.
+    sampling: per-position settings broadcastable to (...) (data/sampling.py): the logits are
+        divided by the temperature and, where top-k/top-p truncate, restricted to the tokens
+        they keep (the target always kept), so both values are of the sampled distribution.
+        None: temperature 1, untruncated.
     Returns logprobs (...) and entropy (...) (or None), both fp32 and identical on all TP ranks.
     """
     from megatron.core import parallel_state
@@ -45,6 +52,13 @@ def vocab_parallel_logprobs(
     logits = logits[..., :keep].float()
     if all_padding:
         logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool), float("-inf"))
+    masked = all_padding
+    if sampling is not None:
+        logits = logits / sampling.temperature.unsqueeze(-1).to(logits)
+        if sampling.truncates(vocab_size):
+            kept = sampled_support(logits.detach(), sampling, targets - start, vocab_size)
+            logits = logits.masked_fill(~kept, float("-inf"))
+            masked = True
 
     # The max only stabilises exp(); the result does not depend on it, so it needs no gradient.
     global_max = logits.detach().max(dim=-1).values
@@ -71,7 +85,7 @@ def vocab_parallel_logprobs(
     # divided by Z: dividing each rank's slice by Z first would make Z feed per-rank terms, and
     # the identity backward of the reduce would then miss the other ranks' share of dH/dZ (wrong
     # gradient at TP > 1, right value).
-    if all_padding:
+    if masked:
         shifted = shifted.masked_fill(shifted.isinf(), 0.0)
     weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
     entropy = log_normaliser - weighted / sum_exp
@@ -85,22 +99,92 @@ def next_token_logprobs(
     vocab_size: int,
     compute_entropy: bool = True,
     cp: Any = None,
+    sampling: SampledDistribution | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(tokens[:, t + 1] | tokens[:, :t + 1]) and the entropy at t, for t < T - 1.
 
     logits: (b, T_local, V_local) of this rank's positions: all T of them without context
         parallelism; with it (cp: engines/context_parallel.CpSplit) this CP rank's T / cp.
     tokens: (b, T) int64, the whole sequence (padded, packed: as the model saw it).
+    sampling: per-position settings of shape (b, T_local) or broadcastable to it (engines/
+        actor.py builds them from the rows' fields).
     Returns (b, T - 1) fp32 values in sequence order, on every CP and TP rank. Under CP each rank
     scores its own positions against their global next tokens and the values are all-gathered;
     the backward keeps each rank's own positions' gradient (see engines/context_parallel.py).
     """
     if cp is None:
+        if sampling is not None and sampling.temperature.shape[-1] == logits.shape[1]:
+            sampling = sampling.expand(lambda t: t[:, :-1])
         return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size=vocab_size,
-                                       compute_entropy=compute_entropy)
+                                       compute_entropy=compute_entropy, sampling=sampling)
     logprobs, entropy = vocab_parallel_logprobs(
-        logits, cp.next_tokens(tokens), vocab_size=vocab_size, compute_entropy=compute_entropy
+        logits, cp.next_tokens(tokens), vocab_size=vocab_size, compute_entropy=compute_entropy,
+        sampling=sampling,
     )
     logprobs = cp.gather(logprobs)[:, :-1]
     entropy = None if entropy is None else cp.gather(entropy)[:, :-1]
     return logprobs, entropy
+
+
+def sampled_support(
+    logits: torch.Tensor, sampling: SampledDistribution, local_targets: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """(..., V_local) bool: the tokens of this rank's slice that vLLM's top-k then top-p keep
+    (vllm/v1/sample/ops/topk_topp_sampler.py, apply_top_k_top_p_pytorch), plus the target.
+
+    logits: (..., V_local) tempered, real-vocabulary columns only (no gradient needed).
+    top-k keeps the logits >= the k-th largest of the whole vocabulary: each rank's k largest,
+    all-gathered, give it. top-p then masks a token when the probability mass of the tokens at
+    or below its logit is <= 1 - p (the argmax is always kept). That mass is a sum over the
+    vocabulary, so the cut logit is found by bisection on all-reduced sums: 48 halvings of the
+    logit range (fp64), below fp32's resolution. Ties at the cut are kept or masked together
+    (vLLM's sort splits them arbitrarily). The target is kept in any case: a boundary token the
+    sampler kept and the replay (by a rounding) would not must not get log-prob -inf.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    kept = torch.ones_like(logits, dtype=torch.bool)
+    top_k = sampling.top_k.expand(logits.shape[:-1])
+    k_on = (top_k > 0) & (top_k < vocab_size)
+    if bool(k_on.any()):
+        k_max = int(top_k[k_on].max())
+        local = logits.topk(min(k_max, logits.shape[-1]), dim=-1).values
+        local = torch.nn.functional.pad(local, (0, k_max - local.shape[-1]), value=float("-inf"))
+        if tp > 1:
+            pieces = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(pieces, local.contiguous(), group=group)
+            local = torch.cat(pieces, dim=-1)
+        top = local.topk(k_max, dim=-1).values
+        kth = top.gather(-1, (top_k.clamp(1, k_max) - 1).unsqueeze(-1))
+        kept &= ~k_on.unsqueeze(-1) | (logits >= kth)
+    top_p = sampling.top_p.expand(logits.shape[:-1])
+    p_on = top_p < 1
+    if bool(p_on.any()):
+        z = logits.masked_fill(~kept, float("-inf")).double()
+        peak = z.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        weights = (z - peak.unsqueeze(-1)).exp()  # unnormalised probabilities, 0 where masked
+        total = _tp_sum(weights.sum(-1), group)
+        tail = (1 - top_p.double()) * total  # mask where the mass at or below <= tail
+        finite = z.masked_fill(z.isinf(), float("inf")).min(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
+        lo, hi = finite - 1.0, peak
+        for _ in range(48):
+            mid = (lo + hi) / 2
+            below = _tp_sum((weights * (z <= mid.unsqueeze(-1))).sum(-1), group)
+            low_enough = below <= tail
+            lo, hi = torch.where(low_enough, mid, lo), torch.where(low_enough, hi, mid)
+        kept &= ~p_on.unsqueeze(-1) | (z > lo.unsqueeze(-1))
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    return kept | (columns == local_targets.unsqueeze(-1))
+
+
+def _tp_sum(value: torch.Tensor, group: Any) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(value, group=group)
+    return value

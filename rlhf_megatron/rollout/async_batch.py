@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.data.sampling import sampling_fields
 from rlhf_megatron.rollout.async_engine import RolloutGroup
 from rlhf_megatron.rollout.vllm_engine import RolloutResult
 
@@ -24,7 +25,8 @@ def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
     """Rows prompt-major (group i's samples are rows i*n .. i*n+n-1), right-padded.
 
     fields: rollout_logprobs (bs, S) aligned with input_ids (0 outside the response),
-    prompt_index (bs,) = the group's position in `groups`, token_versions (bs, S).
+    prompt_index (bs,) = the group's position in `groups`, token_versions (bs, S), and the
+    rows' sampling settings temperature / top_p / top_k (bs,) (groups that carry them).
     """
     rows = [(g.prompt, s, i) for i, g in enumerate(groups) for s in g.samples]
     width = max(len(p) + len(s.tokens) for p, s, _ in rows)
@@ -43,8 +45,18 @@ def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
             lps[row, p : p + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
             versions[row, p : p + r] = torch.tensor(sample.versions, dtype=torch.long)
     index = torch.tensor([i for _, _, i in rows], dtype=torch.long)
-    return TokenBatch(ids, attn, loss, {"rollout_logprobs": lps, "prompt_index": index,
-                                        TOKEN_VERSIONS: versions})
+    batch = TokenBatch(ids, attn, loss, {"rollout_logprobs": lps, "prompt_index": index,
+                                         TOKEN_VERSIONS: versions})
+    return batch.with_fields(**groups_sampling_fields(groups)) if any(
+        g.sampling for g in groups) else batch
+
+
+def groups_sampling_fields(groups: Sequence[RolloutGroup]) -> dict[str, torch.Tensor]:
+    """Per-row temperature / top_p / top_k of the groups' samples (data/sampling.py)."""
+    if any(g.sampling is None for g in groups):
+        raise ValueError("rollout groups without their sampling settings cannot be trained on")
+    per_group = [sampling_fields(len(g.samples), g.sampling) for g in groups]
+    return {name: torch.cat([f[name] for f in per_group]) for name in per_group[0]}
 
 
 def groups_to_result(groups: Sequence[RolloutGroup], weight_version: int,

@@ -72,6 +72,8 @@ class RolloutGroup:
     prompt: list[int]
     samples: list[SampleRecord]
     submitted_version: int
+    sampling: SamplingSettings | None = None
+    """What the samples were drawn with (their batch rows carry it; data/sampling.py)."""
 
     @property
     def oldest_version(self) -> int:
@@ -192,7 +194,8 @@ class AsyncRolloutEngine:
                 self._check_prompt(prompt, sampling)
                 if key in self._in_flight:
                     raise ValueError(f"prompt key {key} is already in flight")
-                self._in_flight[key] = RolloutGroup(key, list(prompt), [], self.weight_version)
+                self._in_flight[key] = RolloutGroup(key, list(prompt), [], self.weight_version,
+                                                    sampling)
         for key, prompt in items:
             self._loop.call_soon_threadsafe(self._spawn, key, list(prompt), sampling, seed)
 
@@ -283,7 +286,7 @@ class AsyncRolloutEngine:
 
         version = self.weight_version
         results = self._call(run(), timeout=None)
-        return [RolloutGroup(first_key + i, list(p), samples, version)
+        return [RolloutGroup(first_key + i, list(p), samples, version, sampling)
                 for i, (p, samples) in enumerate(zip(prompts, results))]
 
     # ------------------------------------------------------------------ the buffer

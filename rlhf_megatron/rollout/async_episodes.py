@@ -101,4 +101,4 @@ def run_episodes_on_async_engine(engine: Any, cfg: EnvironmentConfig,
     episodes = runner.run([s for s in samples for _ in range(sampling.n)])
     for i, e in enumerate(episodes):
         e.sample_index = first_prompt + i // sampling.n
-    return episodes_to_batch(episodes), episode_metrics(episodes)
+    return episodes_to_batch(episodes, sampling), episode_metrics(episodes)

@@ -37,6 +37,14 @@ class SamplingSettings:
                 "need temperature >= 0 and 0 < top_p <= 1"
             )
 
+    def validate_for_training(self) -> None:
+        """The checks of validate(), and a temperature > 0: every training log-prob is of
+        softmax(logits / temperature) (data/sampling.py); greedy decoding has no such one."""
+        self.validate()
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature={self.temperature} is greedy decoding, which cannot "
+                              "be trained on (no sampled distribution); set temperature > 0")
+
 
 @dataclass(frozen=True)
 class RolloutConfig:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.data.sampling import sampling_fields
 from rlhf_megatron.environments.base import Environment, Message, StepResult
 from rlhf_megatron.environments.config import EnvironmentConfig
 
@@ -253,10 +254,11 @@ def vllm_turn_generator(engine: Any, sampling: Any) -> TurnGenerator:
     return generate
 
 
-def episodes_to_batch(episodes: Sequence[Episode]) -> TokenBatch:
+def episodes_to_batch(episodes: Sequence[Episode], sampling: Any = None) -> TokenBatch:
     """Right-padded TokenBatch: input_ids, attention_mask, loss_mask (1 on generated tokens), and
     fields rollout_logprobs (bs, S), token_level_rewards (bs, S) (each turn's reward at its last
-    generated token), prompt_index (bs,) and scores (bs,) (the episode's summed reward)."""
+    generated token), prompt_index (bs,) and scores (bs,) (the episode's summed reward); with
+    `sampling` (the SamplingSettings every turn used), the rows' temperature / top_p / top_k."""
     width = max(len(e.ids) for e in episodes)
     bs = len(episodes)
     ids = torch.zeros(bs, width, dtype=torch.long)
@@ -272,10 +274,11 @@ def episodes_to_batch(episodes: Sequence[Episode]) -> TokenBatch:
         lps[i, :n] = torch.tensor(e.logprobs)
         for pos, r in e.turn_rewards:
             rewards[i, pos] += r
+    extra = {} if sampling is None else sampling_fields(bs, sampling)
     return TokenBatch(ids, attn, loss, {
         "rollout_logprobs": lps, "token_level_rewards": rewards,
         "prompt_index": torch.tensor([e.sample_index for e in episodes]),
-        "scores": torch.tensor([e.reward for e in episodes], dtype=torch.float32)})
+        "scores": torch.tensor([e.reward for e in episodes], dtype=torch.float32), **extra})
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -313,7 +316,7 @@ def run_episodes_on_engine(engine: Any, cfg: EnvironmentConfig, samples: Sequenc
     episodes = runner.run(repeated)
     for i, e in enumerate(episodes):
         e.sample_index = first_prompt + i // sampling.n
-    return episodes_to_batch(episodes), episode_metrics(episodes)
+    return episodes_to_batch(episodes, sampling), episode_metrics(episodes)
 
 
 def _with_seed(sampling: Any, seed: int | None) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.data.sampling import VLLM_LOGPROBS_MODE, sampling_fields
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.moe_vllm_repack import reload_weights_on_cpu_worker
 from rlhf_megatron.platform import current_platform
@@ -34,7 +35,9 @@ class RolloutResult:
     """Responses to a list of prompts, n per prompt, prompt-major order.
 
     batch: prompt + response tokens (bs = prompts * n, right-padded); loss_mask marks the
-        response; fields: "rollout_logprobs" (bs, S) aligned with input_ids, "prompt_index" (bs,).
+        response; fields: "rollout_logprobs" (bs, S) aligned with input_ids (vLLM's log-probs of
+        the distribution sampled from, data/sampling.py), "prompt_index" (bs,), and the rows'
+        sampling settings "temperature", "top_p", "top_k" (bs,).
     finish_reasons: per row, vLLM's "stop" / "length".
     """
 
@@ -52,10 +55,14 @@ def vllm_engine_kwargs(hf_dir: Path, config: RolloutConfig, on_cuda: bool,
     it also sets the KV-cache size vLLM reads from the environment."""
     if not on_cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
+    if "logprobs_mode" in config.extra_engine_args:
+        raise ConfigError(f"rollout.engine.extra_engine_args.logprobs_mode is fixed to "
+                          f"{VLLM_LOGPROBS_MODE!r} (the trainer's log-probs are of the sampled "
+                          "distribution; data/sampling.py)")
     kwargs: dict[str, Any] = dict(
         model=str(hf_dir), dtype=config.dtype, seed=config.seed,
         max_model_len=config.max_model_len, tensor_parallel_size=config.tensor_parallel_size,
-        enforce_eager=not on_cuda, **config.extra_engine_args,
+        enforce_eager=not on_cuda, logprobs_mode=VLLM_LOGPROBS_MODE, **config.extra_engine_args,
     )
     if awaiting_weights:
         kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
@@ -149,11 +156,15 @@ class VllmRolloutEngine:
                 logprobs.append([_chosen_logprob(d, t) for d, t in zip(sample.logprobs, response)])
                 finish.append(str(sample.finish_reason))
                 index.append(first_prompt + prompt_index)
-        return RolloutResult(_to_batch(rows, logprobs, index), finish, self.weight_version)
+        batch = _to_batch(rows, logprobs, index)
+        batch = batch.with_fields(**sampling_fields(len(batch), sampling))
+        return RolloutResult(batch, finish, self.weight_version)
 
     def score_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """(bs, S) log-probs of the batch's own tokens under the rollout weights, aligned with
-        input_ids and zero outside loss_mask (for rollout-vs-trainer checks)."""
+        input_ids and zero outside loss_mask (for rollout-vs-trainer checks). These are at
+        temperature 1, untruncated (vLLM's prompt log-probs skip the sampling processors): compare
+        them with the trainer's on a batch without sampling fields."""
         from vllm import SamplingParams
 
         self._check_ready()
