@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONWARNINGS := ignore::DeprecationWarning
 
-.PHONY: setup test test-unit test-integration lint demo clean
+.PHONY: setup test test-fast test-unit test-integration lint demo clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ $(STAMP): setup.py
 
 test: setup
 	$(PY) -m pytest tests
+
+# The inner loop of development (issue 24): the unit tests plus the integration tests that are
+# neither `slow` nor `system` (the tier table in tests/integration/conftest.py); under 5 minutes on
+# the 2-core machine. `make test` still runs everything.
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow and not system"
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

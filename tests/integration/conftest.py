@@ -1,5 +1,10 @@
-"""Module-scoped fixtures shared by the controller e2e test files (a module that needs other
-assets or another cluster defines its own `assets` / `head`, which take precedence)."""
+"""Fixtures shared by the integration tests, and their tiers (issue 24).
+
+`assets` is module-scoped (a module that needs other assets defines its own, which takes
+precedence). `head` is ONE Ray cluster for the whole pytest run: every run that does not need a
+cluster of its own joins it. The runs that do start their own say why where they do it (a run
+killed -9 takes its cluster down with it, as a user's would; a cluster whose processes carry a
+tag so that the test can find what outlived the run; a cluster smaller than the layout)."""
 
 from __future__ import annotations
 
@@ -17,11 +22,56 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare(tmp_path_factory.mktemp("quickstart_assets"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def head():
-    """One Ray cluster (4 CPUs) per module that the module's runs join (`run_train(head=...)`),
-    instead of a local cluster each. A run that is killed -9 starts its own instead, so that it
-    takes its cluster down with it, as a user's would."""
+    """One Ray cluster per pytest run (started on first use, 5-15 s on 2 busy cores) that the
+    runs join (`run_train(head=...)`). Runs follow one another, so 4 logical CPUs hold the
+    largest layout the e2e tests use (split pools: actor 2 + rollout 1, plus a critic or a
+    reward model); a driver that ends takes its actors and placement groups with it, so one
+    run leaves nothing behind for the next. Under pytest-xdist each worker has its own."""
     cluster = RayHead(num_cpus=4)
     yield cluster
     cluster.stop()
+
+
+# ---------------------------------------------------------------------------- tiers
+# `make test` runs everything; `make test-fast` leaves out `slow` and `system` (pyproject.toml).
+# A file (or "file::test") listed here gets the marker; the figure is its time alone on the
+# 2-core machine (docs/BENCHMARKS.md, "CI and test suite").
+SYSTEM = {  # whole-system runs: SLURM, preemption and kill -9 of a real run
+    "test_slurm_train.py": "two simulated SLURM nodes, a requeued job (~117 s)",
+    "test_slurm_launch.py": "the sbatch/local.sh launch scripts start Ray nodes",
+    "test_reliability.py": "SIGTERM/SIGUSR1 preemption of a run, then resume (~90 s)",
+    "test_controller_faults.py::test_kill_mid_run_during_checkpoint_save_then_resume_is_exact":
+        "kill -9 of a run mid-save, then resume against an uninterrupted run",
+    "test_controller_faults.py::test_killed_worker_ends_the_run_naming_it":
+        "a Ray worker killed -9 mid-step",
+}
+SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many layouts
+    "test_async_e2e.py": "one_step_off and async learning runs (~160 s)",
+    "test_controller_e2e.py": "GRPO, split-pool and PPO runs (~150 s)",
+    "test_controller_learning.py": "40 GRPO steps of the demo (~60-100 s)",
+    "test_episodes_e2e.py": "tools SFT then GRPO (~100 s)",
+    "test_offline_e2e.py": "SFT, KTO, DPO runs (~100 s)",
+    "test_context_parallel_grpo.py": "CP2 and CP1 GRPO runs (~75 s)",
+    "test_resume_other_layout.py": "a run and its resume at another layout (~60 s)",
+    "test_dapo_e2e.py": "a DAPO run",
+    "test_moe_grpo_e2e.py": "a MoE GRPO run",
+    "test_train_from_checkpoint.py": "a run from a converted checkpoint",
+    "test_engine_state.py": "engine save/load at several layouts (~65 s)",
+    "test_layout_parity.py": "5 architectures x 5 layouts, logits and grads",
+    "test_hf_parity.py": "5 architectures x 5 layouts, direct HF load and export",
+}
+
+
+def _tier_reason(table: dict[str, str], item: pytest.Item) -> str | None:
+    name = Path(str(item.fspath)).name
+    return table.get(f"{name}::{item.originalname}", table.get(name))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _tier_reason(SYSTEM, item) is not None:
+            item.add_marker(pytest.mark.system)
+        elif _tier_reason(SLOW, item) is not None:
+            item.add_marker(pytest.mark.slow)

@@ -55,6 +55,43 @@ def run_train(overrides: list[str], *, timeout: float = 300, config: Path = CONF
                           text=True, timeout=timeout, env=env)
 
 
+def train_in_process(overrides: list[str], capfd, config: Path = CONFIG
+                     ) -> subprocess.CompletedProcess:
+    """`rlhf-megatron train` called in this process (`cli.main`), for input the CLI refuses
+    before Ray starts: the interpreter and its imports are paid once, not ~5-10 s a run.
+    Returns what `run_train` returns: the exit code, and stdout/stderr read at the file
+    descriptors (`capfd`), with every warning and every WARNING-or-above log record written
+    there as the CLI's own process would print them (pytest would otherwise hold them back), so
+    a one-line-stderr check is as strict as on a subprocess. Ray must not have started."""
+    import logging
+    import warnings
+
+    import ray
+
+    from rlhf_megatron.cli import main
+
+    capfd.readouterr()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            warnings.filterwarnings("ignore", category=DeprecationWarning)  # as the Makefile
+            try:
+                code = main(["train", "--config", str(config), *overrides])
+            except SystemExit as exc:  # argparse's own refusals
+                code = exc.code
+        for warning in caught:
+            print(warnings.formatwarning(warning.message, warning.category, warning.filename,
+                                         warning.lineno), file=sys.stderr, end="")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert not ray.is_initialized(), "Ray started in the test's process"
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["rlhf-megatron", "train"], code, out, err)
+
+
 def start_train(overrides: list[str], log: Path) -> subprocess.Popen:
     handle = log.open("w")
     return subprocess.Popen(train_command(overrides), cwd=REPO, stdout=handle,

@@ -21,10 +21,12 @@ from controller_harness import (
     stable,
     start_train,
     titled_processes,
+    train_in_process,
     wait_until,
 )
 
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.testing.processes import refit_segments
 
 # `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 
@@ -75,6 +77,7 @@ def test_kill_mid_run_during_checkpoint_save_then_resume_is_exact(
     overrides = small_run_overrides(assets, run_dir, **{
         "trainer.total_steps": STEPS, "trainer.save_every": 1, "trainer.keep_last": 2,
         **SCHEDULE})
+    # Its own Ray cluster (start_train): kill -9 of the driver takes it down, as a user's would.
     process = start_train(overrides, tmp_path / "killed_in_save.log")
 
     def saving_step_3() -> bool:
@@ -92,13 +95,9 @@ def test_kill_mid_run_during_checkpoint_save_then_resume_is_exact(
     _resume_and_compare(assets, run_dir, uninterrupted, first_resumed=3, head=head)
 
 
-def _refit_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("rlhf_megatron_refit_*")}
-
-
 def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "worker_death"
-    segments = _refit_segments()
+    segments = refit_segments()
     log = tmp_path / "worker_death.log"
     process = start_train(small_run_overrides(assets, run_dir, **{"trainer.total_steps": 500}),
                           log)
@@ -107,7 +106,7 @@ def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> N
                         victims=lambda: titled_processes("ray::MegatronWorker", process.pid))
     assert line.startswith("rlhf-megatron: error: worker actor[") and "died" in line, line
     # ray.kill skips the workers' finalizers: the driver unlinks the segments they made.
-    assert _refit_segments() <= segments, "refit segments left in /dev/shm after a worker death"
+    assert refit_segments() <= segments, "refit segments left in /dev/shm after a worker death"
 
 
 # ---------------------------------------------------------------------------- bad inputs
@@ -119,31 +118,36 @@ def _one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in line, line
 
 
-def test_unknown_config_key(assets: Path, tmp_path: Path) -> None:
-    result = run_train(small_run_overrides(assets, tmp_path / "r", **{"trainer.totl_steps": 3}))
+# These four are refused before Ray starts, so they call the CLI in this process
+# (`train_in_process`: exit code and the fd-level stderr, as a subprocess's).
+def test_unknown_config_key(assets: Path, tmp_path: Path, capfd) -> None:
+    result = train_in_process(
+        small_run_overrides(assets, tmp_path / "r", **{"trainer.totl_steps": 3}), capfd)
     _one_line_error(result, "unknown config key 'trainer.totl_steps'", "total_steps")
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_missing_dataset_field(assets: Path, tmp_path: Path) -> None:
+def test_missing_dataset_field(assets: Path, tmp_path: Path, capfd) -> None:
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "1 + 2 =", "answer": "3"}) + "\n"
                     + json.dumps({"prompt": "2 + 2 ="}) + "\n")
-    result = run_train(small_run_overrides(assets, tmp_path / "r", **{
-        "data.train_files": f"[{data}]"}))
+    result = train_in_process(small_run_overrides(assets, tmp_path / "r", **{
+        "data.train_files": f"[{data}]"}), capfd)
     _one_line_error(result, "bad.jsonl", "line 2", "answer")
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_layout_that_does_not_fit_the_resources(assets: Path, tmp_path: Path) -> None:
-    result = run_train(small_run_overrides(assets, tmp_path / "r", **{
-        "resources.mode": "split", "resources.devices_per_node": 2}))
+def test_layout_that_does_not_fit_the_resources(assets: Path, tmp_path: Path, capfd) -> None:
+    result = train_in_process(small_run_overrides(assets, tmp_path / "r", **{
+        "resources.mode": "split", "resources.devices_per_node": 2}), capfd)
     _one_line_error(result, "split pools need actor 2 + rollout 1 = 3 devices",
                     "resources give 2")
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_layout_larger_than_the_ray_cluster(assets: Path, tmp_path: Path) -> None:
+    # A subprocess with a 1-CPU cluster of its own: this check is made against the cluster it
+    # starts (Ray in the test's own process would outlive the test).
     result = run_train(small_run_overrides(assets, tmp_path / "r", **{"ray.num_cpus": 1}))
     _one_line_error(result, "needs 2 devices", "Ray cluster has 1")
 
@@ -152,11 +156,13 @@ def test_layout_larger_than_the_ray_cluster(assets: Path, tmp_path: Path) -> Non
     ("    raise ValueError('grader crashed')\n", "grader crashed"),
     ("    return [1.0]\n", "returned 1 rewards for 2 responses"),
 ])
-def test_bad_custom_reward(assets: Path, tmp_path: Path, body: str, needle: str) -> None:
+def test_bad_custom_reward(assets: Path, tmp_path: Path, body: str, needle: str,
+                           capfd) -> None:
     """Found by a probe call on two training rows before Ray starts (no workers to wait for)."""
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text("def accuracy_reward(responses, answers, **kwargs):\n" + body)
-    result = run_train(small_run_overrides(assets, tmp_path / "r", **{
-        "reward.custom_function": f"{reward_file}:accuracy_reward"}))
+    result = train_in_process(small_run_overrides(assets, tmp_path / "r", **{
+        "reward.custom_function": f"{reward_file}:accuracy_reward"}), capfd)
     _one_line_error(result, "accuracy_reward", needle)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Ray cluster" not in result.stderr
