@@ -47,9 +47,7 @@ def outputs(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch):
-    monkeypatch.chdir(REPO)  # paths in the configs are relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_cwd")  # paths in the configs are relative to the repository root
 
 
 def _load(path: Path, outputs: Path):

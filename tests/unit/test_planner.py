@@ -29,9 +29,7 @@ TWO_NODES = Cluster(2, 8, 80)
 EIGHT_NODES = Cluster(8, 8, 80)
 
 
-@pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch):
-    monkeypatch.chdir(REPO)  # config_json paths are relative to the working directory
+pytestmark = pytest.mark.usefixtures("repo_cwd")  # config_json paths are relative to the working directory
 
 
 def _shape(name):

@@ -20,9 +20,7 @@ CLUSTER = Cluster(4, 8, 80)
 NO_CP = ("actor.layout.cp=1", "actor.layout.dp=4")
 
 
-@pytest.fixture(autouse=True)
-def _repo_cwd(monkeypatch):
-    monkeypatch.chdir(REPO)  # config_json paths are relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_cwd")  # config_json paths are relative to the repository root
 
 
 def _plan(*overrides, suggest=False):

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 from rlhf_megatron.rewards import RewardConfig, RewardError, RewardManager
 from rlhf_megatron.rewards.process import RewardTimeout
+from rlhf_megatron.testing.processes import is_alive
 
 SLOW = ("import time\n"
         "def f(responses, answers, **kw):\n"
@@ -26,14 +26,6 @@ def reward_file(tmp_path_factory) -> str:
     return f"{path}:f"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_overrun_is_one_line_naming_the_function_and_the_process_dies(reward_file):
     manager = RewardManager(RewardConfig(custom_function=reward_file, timeout_s=1.5))
     try:
@@ -45,7 +37,7 @@ def test_overrun_is_one_line_naming_the_function_and_the_process_dies(reward_fil
         assert time.monotonic() - start < 1.5 + 1.0
         message = str(info.value)
         assert "\n" not in message and reward_file in message and "1.5s" in message
-        assert not _alive(pid)
+        assert not is_alive(pid)
         # the next batch gets a fresh process
         assert manager.compute(["a"], ["a"]).tolist() == [1.0]
     finally:
@@ -63,7 +55,7 @@ def test_zero_on_timeout_counts_and_close_never_waits(reward_file, capsys):
     pid = manager._process._proc.pid
     start = time.monotonic()
     manager.close()
-    assert time.monotonic() - start < 2.0 and not _alive(pid)
+    assert time.monotonic() - start < 2.0 and not is_alive(pid)
     with pytest.raises(RewardError):
         future.result(timeout=5)
 

@@ -1,0 +1,65 @@
+"""What a run leaves behind, read from Linux's /proc and /dev/shm, for the tests that check a run
+cleans up: its processes (found by a tag in their environment, which every child inherits) and
+its refit shared-memory segments."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rlhf_megatron.controller.lifecycle import SEGMENT_PREFIX
+
+
+def refit_segments() -> set[str]:
+    """Names of the refit transports' shared-memory files now in /dev/shm (any run's)."""
+    return {p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")}
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of `pid` from /proc/<pid>/stat ("pid (comm) state ppid ..."; comm
+    may hold spaces and parentheses, so split after the last one); None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def proc_environ(pid: int) -> list[bytes] | None:
+    """The `KEY=value` entries of `pid`'s environment; None when gone or not readable."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+
+
+def pids_with_env(entry: str, titles: tuple[bytes, ...] = (), *,
+                  live_only: bool = False) -> list[int]:
+    """Processes other than this one whose environment holds `entry` (`KEY=value`), and, when
+    `titles` is given, whose command line contains one of them; `live_only` leaves zombies out."""
+    needle = entry.encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        pid = int(proc.name)
+        environ = proc_environ(pid)
+        if environ is None or needle not in environ:
+            continue
+        if live_only and not is_alive(pid):
+            continue
+        if titles:
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if not any(title in cmdline for title in titles):
+                continue
+        found.append(pid)
+    return found
