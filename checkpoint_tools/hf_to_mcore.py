@@ -4,8 +4,10 @@ The save runs as one rank at TP=PP=1: the torch_dist format is layout-free, so t
 any TP/PP whose sizes divide the model. `--tp/--pp` name the layout the checkpoint is meant for:
 they are validated against the model (heads, KV heads, FFN, layers) and fix the vocabulary padding
 (Megatron pads the vocabulary to a multiple of 128 * tp), which decides which TP sizes can load it.
-The weights are stored in the HF checkpoint's own dtype (bf16 stays bf16) unless `--dtype` says
-otherwise, so HF -> Megatron -> HF is bit-exact by default.
+The weights are stored in the HF checkpoint's own dtypes unless `--dtype` says otherwise: bf16
+stays bf16, and each tensor keeps its own dtype (fp32 norms of a bf16 model stay fp32), so
+HF -> Megatron -> HF is bit-exact by default. The checkpoint's `dtype` (metadata) is the one
+holding most elements.
 
 Memory: streamed (`streaming_save`): the TP=1 model is built on the meta device only for its
 sharded state dict, and each tensor is read from the HF files just before it is written, so peak
@@ -15,6 +17,7 @@ RSS is about one Megatron tensor (plus the HF tensors it is made of) above the c
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -79,6 +82,7 @@ def convert_hf_to_mcore(
         config = checkpoint.config
         spec = ARCHITECTURES.for_hf_config(config)
         tensors = preflight(checkpoint)
+        keep_own_dtypes = dtype is None
         dtype = dtype or stored_dtype(tensors)
         # Validates heads / KV heads / FFN / layers against the target layout up front.
         target = hf_to_megatron_args(config, spec, ParallelDims(tp * pp, tp=tp, pp=pp),
@@ -92,7 +96,8 @@ def convert_hf_to_mcore(
             no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
             args = dataclasses.replace(args, transformer_config=no_init,
                                        padded_vocab_size=target.padded_vocab_size)
-            stats, copier = _load_and_save(checkpoint, spec, args, tmp, progress=progress)
+            stats, copier = _load_and_save(checkpoint, spec, args, tmp, progress=progress,
+                                           keep_own_dtypes=keep_own_dtypes)
             assets = copy_hf_assets(hf_dir, tmp / ASSETS_DIR)
             ConvertedMetadata(
                 architecture=spec.hf_architecture, hf_config=config.to_dict(), dtype=dtype,
@@ -107,10 +112,35 @@ def convert_hf_to_mcore(
             "group_seconds": (ready - start) + (end - done)}
 
 
+def keep_source_dtypes(model: Any, table: Any, checkpoint: HFCheckpoint) -> int:
+    """Give each parameter of the meta `model` the dtype of the HF tensors it is made of, where
+    they agree (fused QKV of mixed dtypes keeps the model's); returns how many changed.
+
+    Parameters stored under one layer-stacked key (`decoder.layers.<i>.<name>` for every i)
+    must share a dtype: if the layers' sources disagree, the whole key keeps the model's dtype.
+    """
+    wanted: dict[str, torch.dtype | None] = {}
+    for name, _ in model.named_parameters():
+        resolved = table.resolve(name)
+        dtypes = {checkpoint.open(hf).dtype for hf in resolved.hf_names.values()}
+        wanted[name] = dtypes.pop() if len(dtypes) == 1 else None
+    stacked: dict[str, set] = {}
+    for name, dtype in wanted.items():
+        stacked.setdefault(re.sub(r"\.\d+\.", ".*.", name), set()).add(dtype)
+    changed = 0
+    for name, param in model.named_parameters():
+        dtypes = stacked[re.sub(r"\.\d+\.", ".*.", name)]
+        dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+        if dtype is not None and dtype != param.dtype:
+            param.data = param.data.to(dtype)
+            changed += 1
+    return changed
+
+
 def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
-                   progress: bool) -> tuple[LoadStats, Any]:
+                   progress: bool, keep_own_dtypes: bool) -> tuple[LoadStats, Any]:
     """Stream the save; returns the load stats and the `FileCopier` (bytes and time of the
-    in-kernel copies)."""
+    in-kernel copies). `keep_own_dtypes`: store each tensor in its HF sources' dtype."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
@@ -124,6 +154,8 @@ def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
     unmapped = [name for name in names if table.resolve(name) is None]
     if unmapped:  # before anything is written
         raise CheckpointError(f"no mapping for Megatron parameter {unmapped[0]!r}")
+    if keep_own_dtypes:
+        keep_source_dtypes(model, table, checkpoint)
     copier = FileCopier()
     with tqdm(total=len(names), desc="hf -> mcore", unit="tensor", disable=not progress) as bar:
         source = ChunkSource(checkpoint, table,

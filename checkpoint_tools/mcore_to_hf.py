@@ -1,6 +1,7 @@
 """`mcore-to-hf`: a converted or trained Megatron dist-checkpoint -> sharded safetensors + index +
-config + generation config + tokenizer files. Weights come out in the stored dtype (or `--dtype`);
-a training checkpoint's optimizer state is skipped.
+config + generation config + tokenizer files. Each weight comes out in the dtype its Megatron tensor
+is stored in (fp32 norms of a bf16 checkpoint stay fp32), or all in `--dtype`; a training
+checkpoint's optimizer state is skipped.
 
 Streaming: tensor names, shapes and dtypes come from the torch_dist metadata alone, which fixes
 the output plan (file by file) before any weight is read. Then each Megatron tensor (one layer's
@@ -113,8 +114,10 @@ def read_source(reader: DcpReader, source: SourceTensor) -> torch.Tensor:
 
 
 def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
-          hf_shapes: dict[str, torch.Size],
-          dtype: torch.dtype) -> tuple[list[tuple[SourceTensor, Any]], list[PlannedTensor]]:
+          hf_shapes: dict[str, torch.Size], dtype: torch.dtype | None
+          ) -> tuple[list[tuple[SourceTensor, Any, torch.dtype]], list[PlannedTensor]]:
+    """(source, mapping, output dtype) per exported Megatron tensor, and the output plan.
+    `dtype` None: each HF tensor in its Megatron tensor's stored dtype."""
     work, planned = [], []
     for source in sources:
         resolved = table.resolve(source.megatron_name)
@@ -124,11 +127,11 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
             )
         if not resolved.mapping.export:
             continue
-        work.append((source, resolved))
+        out_dtype = dtype or source.dtype
+        work.append((source, resolved, out_dtype))
         for role in resolved.mapping.hf:
             name = resolved.hf_names[role]
-            # One dtype throughout: on CPU Megatron keeps norm weights in fp32 even for bf16.
-            planned.append(PlannedTensor(name, tuple(hf_shapes[name]), dtype))
+            planned.append(PlannedTensor(name, tuple(hf_shapes[name]), out_dtype))
     return work, planned
 
 
@@ -172,14 +175,14 @@ def _page_hints(copies: list[dict[str, list[Extent]] | None]) -> dict[str, tuple
     return hints
 
 
-def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any]],
-            copies: list[dict[str, list[Extent]] | None], ctx: Any, dtype: torch.dtype,
+def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any, torch.dtype]],
+            copies: list[dict[str, list[Extent]] | None], ctx: Any,
             writer: PlannedSafetensorsWriter, on_tensor: Any) -> FileCopier:
     """Write every HF tensor in plan order: copied in the kernel where `copies` has its byte
     ranges, read and written otherwise. Returns the `FileCopier` (in-kernel bytes and time)."""
     copier = FileCopier()
     try:
-        for (source, resolved), extents in zip(work, copies):
+        for (source, resolved, dtype), extents in zip(work, copies):
             if extents is not None:
                 for name, ranges in extents.items():
                     writer.copy(name, ranges, copier)
@@ -217,9 +220,9 @@ def convert_mcore_to_hf(
                          head_dim_of(config), metadata.vocab_size, metadata.padded_vocab_size)
     dcp_metadata = read_dcp_metadata(ckpt_dir)
     sources = source_tensors(ckpt_dir, config.num_hidden_layers, dcp_metadata)
-    out_dtype = DTYPES[dtype or metadata.dtype]
+    out_dtype = DTYPES[dtype or metadata.dtype]  # config.json's
     hf_shapes = expected_hf_shapes(config)
-    work, planned = _plan(metadata, sources, table, hf_shapes, out_dtype)
+    work, planned = _plan(metadata, sources, table, hf_shapes, DTYPES[dtype] if dtype else None)
     start = time.perf_counter()
     with atomic_output_dir(out, force=force) as tmp:
         ctx = ShardContext(shapes)
@@ -227,12 +230,11 @@ def convert_mcore_to_hf(
             reader = DcpReader(ckpt_dir, dcp_metadata)
             try:
                 # Byte ranges first (a few per tensor): they fix each file's header padding.
-                copies = [_hf_extents(reader, source, resolved, ctx, hf_shapes, out_dtype)
-                          for source, resolved in work]
+                copies = [_hf_extents(reader, source, resolved, ctx, hf_shapes, tensor_dtype)
+                          for source, resolved, tensor_dtype in work]
                 writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes),
                                                   _page_hints(copies))
-                copier = _export(reader, work, copies, ctx, out_dtype, writer,
-                                 lambda: bar.update(1))
+                copier = _export(reader, work, copies, ctx, writer, lambda: bar.update(1))
             finally:
                 reader.close()
         writer.close()
