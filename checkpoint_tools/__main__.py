@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     sub.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     sub.add_argument("--tolerance", type=float, default=None,
-                     help="max |log-prob diff| allowed (default: 10x HF's own rounding noise on "
+                     help="max |log-prob diff| allowed in the fp32 check (default: 10x HF's own "
+                     "rounding noise on "
                      "the same tokens, measured, with a floor scaled to dtype, depth and logit "
                      "size); KL must stay under its square and no top-1 may flip by more")
     sub.add_argument("--compute-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
