@@ -47,7 +47,8 @@ def outputs(tmp_path_factory) -> Path:
     return out
 
 
-pytestmark = pytest.mark.usefixtures("repo_cwd")  # paths in the configs are relative to the repository root
+# paths in the configs are relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 
 def _load(path: Path, outputs: Path):

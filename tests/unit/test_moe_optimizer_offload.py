@@ -19,7 +19,8 @@ CONFIG = "configs/qwen3-30b-a3b_grpo_1x8.yaml"
 ONE_NODE = Cluster(1, 8, 80)
 
 
-pytestmark = pytest.mark.usefixtures("repo_cwd")  # config_json paths are relative to the working directory
+# config_json paths are relative to the working directory
+pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 
 def test_one_node_config_fits_with_the_optimizer_on_the_host():

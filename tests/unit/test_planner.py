@@ -29,7 +29,8 @@ TWO_NODES = Cluster(2, 8, 80)
 EIGHT_NODES = Cluster(8, 8, 80)
 
 
-pytestmark = pytest.mark.usefixtures("repo_cwd")  # config_json paths are relative to the working directory
+# config_json paths are relative to the working directory
+pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 
 def _shape(name):

@@ -20,7 +20,8 @@ CLUSTER = Cluster(4, 8, 80)
 NO_CP = ("actor.layout.cp=1", "actor.layout.dp=4")
 
 
-pytestmark = pytest.mark.usefixtures("repo_cwd")  # config_json paths are relative to the repository root
+# config_json paths are relative to the repository root
+pytestmark = pytest.mark.usefixtures("repo_cwd")
 
 
 def _plan(*overrides, suggest=False):
