@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 
-logger = logging.getLogger(__name__)
 ALGORITHMS = ("grpo", "ppo")
 KL_MODES = ("loss", "reward", "none")
 RESOURCE_MODES = ("colocated", "split")
@@ -61,7 +59,7 @@ def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan
                  ("rollout.val_sampling", cfg.rollout.val_sampling.validate)]
     check_sections(cfg, sections, _check_model_fits, check_paths=check_paths)
     _check_batches(cfg)
-    _check_rollout_dtype(cfg)
+    _check_drift_alarm(cfg)
     return plan_devices(cfg)
 
 
@@ -262,23 +260,31 @@ def _layouts(cfg: TrainConfig) -> list[tuple[str, LayoutSpec]]:
     return [(role, section.layout) for role, section in megatron_roles(cfg)]
 
 
-def _check_rollout_dtype(cfg: TrainConfig) -> None:
-    """The drift alarm's settings, and the rule that the sampled weights are the trained ones:
-    an actor that computes in another dtype than the rollout is warned about (one line). An fp32
-    actor with a bf16 rollout loses every update below bf16's resolution on the way to vLLM
-    (docs/ROLLOUT_AND_REFIT.md); it runs, and the drift alarm watches it."""
-    from rlhf_megatron.rollout.drift import DRIFT_MODES, rollout_dtype_name
+def _check_drift_alarm(cfg: TrainConfig) -> None:
+    from rlhf_megatron.rollout.drift import DRIFT_MODES
 
     rollout = cfg.rollout
     _one_of("rollout.on_logprob_drift", rollout.on_logprob_drift, DRIFT_MODES)
     if rollout.max_logprob_diff is not None and not rollout.max_logprob_diff > 0:
         raise ConfigError(f"rollout.max_logprob_diff={rollout.max_logprob_diff} must be > 0 "
                           "(nats), or unset for the dtype's default")
-    actor, engine = cfg.actor.engine.dtype, rollout.engine.dtype
+
+
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """One-line warnings about a valid config that runs, but likely not as meant; the trainer
+    prints them once, before Ray (controller/run.py). The rule that the sampled weights are the
+    trained ones: an actor that computes in another dtype than the rollout is warned about. An
+    fp32 actor with a bf16 rollout loses every update below bf16's resolution on the way to vLLM
+    (docs/ROLLOUT_AND_REFIT.md); it runs, and the drift alarm watches it."""
+    from rlhf_megatron.rollout.drift import rollout_dtype_name
+
+    if cfg.algorithm.name in OFFLINE_ALGORITHMS:  # no rollout
+        return []
+    actor, engine = cfg.actor.engine.dtype, cfg.rollout.engine.dtype
     if engine != "auto" and rollout_dtype_name(actor) != engine:
-        logger.warning("actor.engine.dtype=%s but rollout.engine.dtype=%s: vLLM samples from "
-                       "other weights than the trainer trains; set both to the same dtype",
-                       actor, engine)
+        return [f"actor.engine.dtype={actor} but rollout.engine.dtype={engine}: vLLM samples "
+                "from other weights than the trainer trains; set both to the same dtype"]
+    return []
 
 
 def _check_batches(cfg: TrainConfig) -> None:

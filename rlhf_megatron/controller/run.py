@@ -20,6 +20,7 @@ from typing import Any
 
 from rlhf_megatron.algorithms import build_kl_controller
 from rlhf_megatron.config import TrainConfig, config_to_dict, save_config, validate_config
+from rlhf_megatron.config.validate import config_warnings
 from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 from rlhf_megatron.controller.lifecycle import (
@@ -175,6 +176,8 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
     from rlhf_megatron.controller.ray_cluster import reserve_pools, start_ray
 
     plan = validate_config(cfg)
+    for warning in config_warnings(cfg):
+        _say(f"warning: {warning}")
     run_dir = _prepare_run_dir(cfg)
     store = CheckpointStore(run_dir / "checkpoints", keep_last=cfg.trainer.keep_last,
                             verify=cfg.trainer.checkpoint_verify)
