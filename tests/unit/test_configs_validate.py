@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_megatron import quickstart, quickstart_long
+from rlhf_megatron import quickstart, quickstart_long, quickstart_real
 from rlhf_megatron.config import load_config, validate_config
 from rlhf_megatron.config.validate import model_hf_config
 from rlhf_megatron.environments import quickstart as tools_quickstart
@@ -33,6 +33,8 @@ ASSETS = {
     "quickstart_long_assets": quickstart_long.prepare,
     "offline_assets": offline_quickstart.prepare,
     "quickstart_tools_assets": tools_quickstart.prepare,
+    # the real model's config.json from its GGUF's metadata (not its 135M weights)
+    "quickstart_real_assets": lambda out: quickstart_real.prepare_real(out, weights=False),
 }
 # stage 2 of the tools quickstart starts from stage 1's checkpoint, which only a 400-step SFT run
 # writes; its hf_assets/config.json is a copy of the stage-1 model's, which the check reads instead
@@ -72,8 +74,9 @@ def test_the_big_model_configs_are_shipped():
 def test_config_loads_and_validates(path, outputs):
     cfg, local = _load(path, outputs)
     # the model-fit check runs only when this is not None (validate.check_sections)
-    assert model_hf_config(cfg, check_paths=False) is not None, \
-        f"{path.name}: no config.json to check the model fit against"
+    assert model_hf_config(cfg, check_paths=False) is not None, (
+        f"{path.name}: no config.json to check the model fit against (a new asset folder under "
+        "outputs/: add its `prepare` to ASSETS)")
     # a CPU config's files all exist once built; a cluster config's paths are the cluster's
     validate_config(cfg, check_paths=local and cfg.model.path.startswith(str(outputs)))
 
