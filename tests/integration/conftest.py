@@ -59,9 +59,25 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
     "test_moe_grpo_e2e.py": "a MoE GRPO run",
     "test_train_from_checkpoint.py": "a run from a converted checkpoint",
     "test_engine_state.py": "engine save/load at several layouts (~65 s)",
-    "test_layout_parity.py": "5 architectures x 5 layouts, logits and grads",
-    "test_hf_parity.py": "5 architectures x 5 layouts, direct HF load and export",
+    "test_layout_parity.py": "5 architectures x 5 layouts, logits and grads (4 ranks)",
+    "test_hf_parity.py": "5 architectures x 5 layouts, direct HF load and export (4 ranks)",
+    "test_moe_parity.py": "MoE layouts with EP, one 4-rank job (~33 s)",
+    "test_context_parallel.py": "CP layouts, one 4-rank job (~30-40 s)",
+    "test_cpu_shims.py": "each CPU shim needed and neutral: many 1- and 2-rank jobs",
+    "test_conversion_memory.py": "a 196 MB checkpoint converted, peak memory per phase",
+    "test_verify_bf16_checkpoint.py": "a 24-layer bf16 checkpoint verified at TP1/TP2/PP2",
+    "test_convert_cli.py": "the conversion CLIs as subprocesses, round trips",
+    "test_engine_checkpoint_interop.py": "engine checkpoints across layouts",
+    # vLLM engines (~10-20 s each to start)
+    "test_vllm_rollout.py": "vLLM engine: generate, refit",
+    "test_async_rollout.py": "vLLM AsyncLLM: pause/resume across a refit, episodes",
+    "test_episodes_vllm.py": "vLLM engine: multi-turn episodes",
+    "test_refit.py": "actor -> vLLM refit at several layouts",
+    "test_moe_refit.py": "MoE actor -> vLLM refit",
+    "test_rope_scaling_parity.py": "RoPE scaling: HF, Megatron and vLLM",
+    "test_sampled_distribution.py": "vLLM sampling temperature vs the trainer's log-probs",
 }
+# Besides the table, every test that joins the Ray head (a trainer run) is `slow`.
 
 
 def _tier_reason(table: dict[str, str], item: pytest.Item) -> str | None:
@@ -73,5 +89,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _tier_reason(SYSTEM, item) is not None:
             item.add_marker(pytest.mark.system)
-        elif _tier_reason(SLOW, item) is not None:
+        elif _tier_reason(SLOW, item) is not None or "head" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)

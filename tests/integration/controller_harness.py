@@ -206,25 +206,43 @@ ray.shutdown()
 
 
 class RayHead:
-    """A local Ray cluster in a child process, shared by the runs of one test module: each run
-    joins it (`ray.address=...`) instead of starting and stopping a cluster of its own, which
-    costs 5-15 s a run on 2 busy cores. `stop()` ends it (and every worker still on it)."""
+    """A local Ray cluster in a child process, shared by many runs (tests/integration/conftest.py:
+    one per pytest run): each run joins it (`ray.address=...`) instead of starting and stopping
+    a cluster of its own, which costs 5-15 s a run on 2 busy cores. `stop()` ends it (and every
+    worker still on it)."""
 
-    def __init__(self, num_cpus: int = 4, timeout: float = 180) -> None:
+    def __init__(self, num_cpus: int = 4, timeout: float = 300, attempts: int = 3) -> None:
         # Token auth with a token of our own: the drivers that join need the same one.
         self.auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _HEAD_SCRIPT, str(num_cpus)], cwd=REPO,
-            env={**_env(), **self.auth_env},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
-        line = ""
-        while not line.startswith("ADDRESS "):
-            line = self.process.stdout.readline()
-            if (not line and self.process.poll() is not None) or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError("the shared Ray head did not start")
-        self.address = line.split()[1]
+        # Ray gives its raylet 30 s to register (hard-coded in ray/_private/node.py); on 2 cores
+        # shared with other jobs (load 50+) that can run out, and a session-wide head that
+        # failed once would fail every run that joins it: try again, in a fresh session.
+        for _ in range(attempts):
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _HEAD_SCRIPT, str(num_cpus)], cwd=REPO,
+                env={**_env(), **self.auth_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True, start_new_session=True)
+            line = ""
+            while not line.startswith("ADDRESS "):
+                line = self.process.stdout.readline()
+                if (not line and self.process.poll() is not None) or time.monotonic() > deadline:
+                    break
+            if line.startswith("ADDRESS "):
+                self.address = line.split()[1]
+                return
+            self._kill()
+            if time.monotonic() > deadline:
+                break
+        raise AssertionError(f"the shared Ray head did not start (within {timeout:.0f} s)")
+
+    def _kill(self) -> None:
+        """The head and whatever it started (its session: GCS, raylet, workers)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
 
     def stop(self) -> None:
         if self.process.poll() is None:
