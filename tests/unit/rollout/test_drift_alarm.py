@@ -100,3 +100,38 @@ def test_validation_warns_in_one_line_when_the_dtypes_differ(actor, rollout, war
     if warns:
         assert "\n" not in lines[0]
         assert lines[0].startswith(f"actor.engine.dtype={actor} but rollout.engine.dtype={rollout}")
+
+
+def _run(mode: str, actor: str = "bf16", rollout: str = "bfloat16", **alarm):
+    from types import SimpleNamespace
+
+    from rlhf_megatron.controller.phases import Run
+
+    cfg = load_config(None, [f"trainer.rollout_mode={mode}", f"actor.engine.dtype={actor}",
+                             f"rollout.engine.dtype={rollout}",
+                             *(f"rollout.{k}={v}" for k, v in alarm.items())])
+    return Run(cfg, *(SimpleNamespace() for _ in range(6)))
+
+
+def test_the_loops_check_builds_one_alarm_from_the_config(caplog):
+    from rlhf_megatron.controller.phases import check_logprob_drift
+
+    run = _run("sync")
+    with caplog.at_level(logging.WARNING, logger=DRIFT_LOGGER):
+        check_logprob_drift(run, 1, {**_metrics(0.003), "rollout/weight_version": 0.0})
+        check_logprob_drift(run, 2, {**_metrics(0.05), "rollout/weight_version": 1.0})
+        check_logprob_drift(run, 3, {**_metrics(0.06), "rollout/weight_version": 2.0})
+    assert run.drift_alarm.threshold == DEFAULT_MAX_LOGPROB_DIFF["bfloat16"]
+    messages = [r.getMessage() for r in caplog.records if r.name == DRIFT_LOGGER]
+    assert len(messages) == 1 and "step 2" in messages[0] and "version 1" in messages[0]
+    assert _run("sync", "fp32", "float32").cfg.rollout.max_logprob_diff is None
+
+
+def test_the_loops_check_in_error_mode_and_async(caplog):
+    from rlhf_megatron.controller.phases import check_logprob_drift
+
+    run = _run("async", on_logprob_drift="error", max_logprob_diff=0.01)
+    stale = {**_metrics(0.3), "rollout/logprob_diff_lag1": 0.3}
+    check_logprob_drift(run, 4, stale)  # no lag-0 tokens: nothing to judge
+    with pytest.raises(LogprobDriftError, match="step 5: rollout/logprob_diff_lag0=0.02 .*version 4"):
+        check_logprob_drift(run, 5, {**stale, "rollout/logprob_diff_lag0": 0.02})
