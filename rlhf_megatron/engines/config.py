@@ -85,7 +85,8 @@ class EngineConfig:
     use_packing: bool = False
     """Remove padding: pack the rows of a micro-batch into one sequence (block-diagonal mask)."""
     dtype: str = "fp32"
-    """'fp32' everywhere on CPU; 'bf16' with fp32 main grads/params on GPU."""
+    """'fp32', or 'bf16': bf16 params for the forward, fp32 main grads/params in the optimizer (on
+    GPU and on CPU). The actor's must be the rollout's (docs/ROLLOUT_AND_REFIT.md)."""
     recompute_activations: bool = False
     """Full activation recompute (uniform, one layer at a time)."""
     max_sequence_length: int | None = None

@@ -53,7 +53,8 @@ class RolloutConfig:
     max_model_len: int = 512
     """Longest prompt + response the engine accepts."""
     dtype: str = "float32"
-    """'float32' on CPU; 'bfloat16' on GPU."""
+    """'float32' or 'bfloat16' (the usual choice on GPU); the same as actor.engine.dtype, so that
+    vLLM samples from the weights the actor trains (docs/ROLLOUT_AND_REFIT.md)."""
     gpu_memory_utilization: float = 0.5
     """GPU only: fraction of memory vLLM may take (weights + KV cache)."""
     cpu_kv_cache_gb: int = 1
