@@ -138,7 +138,7 @@ def sampled_support(
     all-gathered, give it. top-p then masks a token when the probability mass of the tokens at
     or below its logit is <= 1 - p (the argmax is always kept). That mass is a sum over the
     vocabulary, so the cut logit is found by bisection on all-reduced sums: 48 halvings of the
-    logit range (fp64), below fp32's resolution. Ties at the cut are kept or masked together
+    logit range (in fp64), below fp32's resolution. Ties at the cut are kept or masked together
     (vLLM's sort splits them arbitrarily). The target is kept in any case: a boundary token the
     sampler kept and the replay (by a rounding) would not must not get log-prob -inf.
     """
@@ -163,17 +163,19 @@ def sampled_support(
     top_p = sampling.top_p.expand(logits.shape[:-1])
     p_on = top_p < 1
     if bool(p_on.any()):
-        z = logits.masked_fill(~kept, float("-inf")).double()
+        # fp32 like vLLM's sampler (no fp64 copy of the logits); the cut itself is bisected in
+        # fp64 so that 48 halvings resolve it below fp32's spacing.
+        z = logits.masked_fill(~kept, float("-inf"))
         peak = z.max(dim=-1).values
         if tp > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         weights = (z - peak.unsqueeze(-1)).exp()  # unnormalised probabilities, 0 where masked
         total = _tp_sum(weights.sum(-1), group)
-        tail = (1 - top_p.double()) * total  # mask where the mass at or below <= tail
+        tail = (1 - top_p) * total  # a token is masked when the mass at or below it <= tail
         finite = z.masked_fill(z.isinf(), float("inf")).min(dim=-1).values
         if tp > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
-        lo, hi = finite - 1.0, peak
+        lo, hi = finite.double() - 1.0, peak.double()
         for _ in range(48):
             mid = (lo + hi) / 2
             below = _tp_sum((weights * (z <= mid.unsqueeze(-1))).sum(-1), group)
