@@ -32,7 +32,7 @@ WINDOW = 10
 MARGIN = 0.02
 
 
-def test_grpo_learns_with_the_actor_offloaded_during_rollout(tmp_path: Path) -> None:
+def test_grpo_learns_with_the_actor_offloaded_during_rollout(tmp_path: Path, head) -> None:
     assets = prepare(tmp_path / "assets")
     run_dir = tmp_path / "run"
     overrides = small_run_overrides(assets, run_dir, **{
@@ -40,7 +40,7 @@ def test_grpo_learns_with_the_actor_offloaded_during_rollout(tmp_path: Path) -> 
         "data.prompts_per_step": 16, "rollout.sampling.n": 16,
         "actor.engine.micro_batch_size": 256, "trainer.total_steps": STEPS,
         "trainer.val_every": 0, "trainer.seed": 1, "actor.offload_during_rollout": "true"})
-    result = run_train(overrides, timeout=1200)
+    result = run_train(overrides, timeout=1200, head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

@@ -27,7 +27,7 @@ def odd_first_char(responses, answers, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def dapo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+def dapo_run(tmp_path_factory: pytest.TempPathFactory, head) -> tuple[Path, list[dict]]:
     assets = prepare(tmp_path_factory.mktemp("dapo_assets"))
     (assets / "rewards.py").write_text(REWARD_SOURCE)
     run_dir = tmp_path_factory.mktemp("dapo")
@@ -39,7 +39,7 @@ def dapo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]
         "algorithm.dynamic_sampling.max_rounds": 8, "algorithm.overlong_shaping.buffer": BUFFER,
         "trainer.total_steps": STEPS, "trainer.val_every": 0,
         "trainer.dump_batch_steps": f"[{','.join(str(s) for s in range(1, STEPS + 1))}]"})
-    result = run_train(overrides, timeout=900, config=CONFIG)
+    result = run_train(overrides, timeout=900, config=CONFIG, head=head)
     assert result.returncode == 0, result.stderr[-4000:]
     return run_dir, read_metrics(run_dir)
 

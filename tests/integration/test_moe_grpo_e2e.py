@@ -27,7 +27,7 @@ WINDOW = 8
 MARGIN = 0.02
 
 
-def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
+def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path, head) -> None:
     assets = prepare(tmp_path / "assets")
     for stale in (assets / "model").glob("*.safetensors"):
         stale.unlink()
@@ -38,7 +38,7 @@ def test_grpo_on_moe_with_routing_replay_learns(tmp_path: Path) -> None:
         "actor.engine.micro_batch_size": 128, "trainer.total_steps": STEPS,
         "trainer.val_every": 0, "trainer.seed": 1, "actor.engine.routing_replay": "true",
         "actor.engine.optimizer.lr": 0.003, "algorithm.mini_batches": 2})
-    result = run_train(overrides, timeout=600)
+    result = run_train(overrides, timeout=600, head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

@@ -36,11 +36,7 @@ def assets(tmp_path_factory) -> Path:
     return prepare(tmp_path_factory.mktemp("offline") / "assets")
 
 
-@pytest.fixture(scope="module")
-def head():
-    cluster = RayHead(num_cpus=2)
-    yield cluster
-    cluster.stop()
+# `head`: the run's shared Ray cluster (tests/integration/conftest.py).
 
 
 def _train(alg: str, assets: Path, run_dir: Path, head: RayHead, **extra: object):

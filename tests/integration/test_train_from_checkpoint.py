@@ -43,14 +43,14 @@ def _train_actor_checkpoint(hf_dir: Path, out: Path) -> None:
 
 
 @pytest.mark.multirank
-def test_train_starts_from_a_trained_megatron_checkpoint(tmp_path: Path) -> None:
+def test_train_starts_from_a_trained_megatron_checkpoint(tmp_path: Path, head) -> None:
     assets = prepare(tmp_path / "assets")
     checkpoint = tmp_path / "previous" / "checkpoints" / "step_00000002" / "actor"
     _train_actor_checkpoint(assets / "model", checkpoint)
     assert not (checkpoint / "config.json").exists()  # not an HF directory
     run_dir = tmp_path / "run"
     result = run_train(small_run_overrides(assets, run_dir, **{
-        "model.path": checkpoint, "trainer.total_steps": 2, "trainer.val_every": 0}))
+        "model.path": checkpoint, "trainer.total_steps": 2, "trainer.val_every": 0}), head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
