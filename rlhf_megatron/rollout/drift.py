@@ -20,10 +20,11 @@ DRIFT_MODES = ("warn", "error")
 
 DEFAULT_MAX_LOGPROB_DIFF = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
 """rollout.max_logprob_diff when unset, by compute dtype (the less precise of the actor's and the
-rollout's). Step-1 `rollout/logprob_diff_mean` with matching dtypes (docs/ROLLOUT_AND_REFIT.md
-has the table): fp32 <= 2e-6 nats, bf16 <= 3e-3 (hidden 64 x 2 layers to 256 x 8), and 0.032 on a
-real 30-layer model (issue 25). The thresholds sit well above the tiny models' noise: fp32 500x,
-bf16 ~7x; a deep bf16 model may need a larger value (set rollout.max_logprob_diff)."""
+rollout's). Measured step-1 `rollout/logprob_diff_mean` with matching dtypes, on hidden 64 x 2
+layers to 256 x 8 and 512 x 2 (docs/ROLLOUT_AND_REFIT.md has the table): fp32 <= 1.8e-7 nats,
+bf16 <= 3.2e-3. The thresholds sit well above that: fp32 ~5000x, bf16 ~6x. fp16 takes bf16's
+(not measured). A deep bf16 model may need more: the issue's 30-layer model read 0.032 at step 1
+with an fp32 actor; set rollout.max_logprob_diff."""
 
 _ACTOR_TO_ROLLOUT_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _PRECISION_ORDER = ("float32", "bfloat16", "float16")
