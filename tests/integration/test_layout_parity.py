@@ -1,7 +1,9 @@
 """Same weights at every layout -> same logits and gradients as TP=1/PP=1 (fp32: logits within
 1e-5, each parameter's gradient within 2e-5 of its own reference gradient's scale).
 
-One 4-rank gloo job per architecture walks the layouts in sequence (init -> check -> destroy):
+One 4-rank gloo job per module walks every architecture's layouts in sequence (init -> check ->
+destroy; imports and spawn cost ~10-20 s a job, so it runs once and each parametrized test reads
+its architecture's results):
 TP1/PP1/DP4, TP2/DP2, PP2/DP2 (1F1B over gloo p2p, 2 micro-batches per rank) and TP2/PP2. The
 reference is a plain forward/backward of the whole batch at TP1/PP1 without Megatron DDP. Each
 rank compares its own shards with the matching slices of the reference, so every shard of every
@@ -191,11 +193,27 @@ def _run_all_layouts(hf_dir: str) -> dict:
     }
 
 
+def _run_all_cases(hf_dirs: list[str]) -> dict:
+    return {hf_dir: _run_all_layouts(hf_dir) for hf_dir in hf_dirs}
+
+
+@pytest.fixture(scope="module")
+def parity_results(tmp_path_factory) -> dict:
+    """{(architecture, tied): per-rank results} from one 4-rank job."""
+    root = tmp_path_factory.mktemp("layout_parity")
+    dirs = {case: write_tiny_hf_checkpoint(root / f"{case[0]}-{case[1]}", case[0],
+                                           tie_word_embeddings=case[1])
+            for case in CASES}
+    # The time each architecture's own job had (600 s), for all of them.
+    per_rank = run_on_ranks(_run_all_cases, WORLD_SIZE, ([str(d) for d in dirs.values()],),
+                            timeout_s=600 * len(CASES))
+    return {case: [rank[str(d)] for rank in per_rank] for case, d in dirs.items()}
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("architecture,tied", CASES, ids=[f"{a}-tied{t}" for a, t in CASES])
-def test_logits_and_grads_match_tp1_pp1(tmp_path, architecture, tied):
-    hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", architecture, tie_word_embeddings=tied)
-    per_rank = run_on_ranks(_run_all_layouts, WORLD_SIZE, (str(hf_dir),), timeout_s=600)
+def test_logits_and_grads_match_tp1_pp1(parity_results, architecture, tied):
+    per_rank = parity_results[(architecture, tied)]
     worst = {
         layout: {
             **{kind: max(rank[layout][kind] for rank in per_rank)
