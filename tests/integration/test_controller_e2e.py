@@ -170,7 +170,7 @@ def _expected_scores(dump: dict, rows: list[tuple[int, int]], tokenizer) -> torc
 
 
 # ---------------------------------------------------------------------------- grpo
-def test_grpo_run_outputs(grpo, assets: Path) -> None:
+def test_grpo_run_outputs(grpo, assets: Path, tmp_path: Path) -> None:
     """Also the PP2 + broadcast path: both stages send their layers (the bytes add up to the
     model's), and two engines generate with the weights the trainer holds."""
     run_dir, records = grpo
@@ -178,11 +178,29 @@ def test_grpo_run_outputs(grpo, assets: Path) -> None:
     assert "val/reward/mean" in records[1] and "val/reward/mean" not in records[0]
     assert records[0]["kl"] == 0.0 and records[2]["kl"] > 0.0  # the policy moved off the ref
     assert all(r["actor/grad_norm"] > 0 and "actor/kl_loss" in r for r in records)
-    assert (run_dir / "plot.png").stat().st_size > 1000
-    assert any((run_dir / "tensorboard").iterdir())
+    # the plot is the one plot_metrics draws from the whole metrics.jsonl (Agg: byte for byte)
+    from rlhf_megatron.controller.plot import plot_metrics
+
+    again = plot_metrics(run_dir / "metrics.jsonl", tmp_path / "plot.png")
+    assert (run_dir / "plot.png").read_bytes() == again.read_bytes()
+    _check_tensorboard(run_dir / "tensorboard", records)
     assert (run_dir / "config.yaml").is_file()
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step_00000002", "step_00000003"]
+
+
+def _check_tensorboard(log_dir: Path, records: list[dict]) -> None:
+    """Every metric of every step is a TensorBoard scalar at that step, with its value (stored
+    as float32: a relative rounding of 2**-24)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0}).Reload()
+    tags = set(events.Tags()["scalars"])
+    for key in {k for r in records for k in r if k != "step"}:
+        assert key in tags, key
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        expected = {r["step"]: r[key] for r in records if key in r}
+        assert logged == pytest.approx(expected, rel=1e-6, abs=1e-30), key
 
 
 def test_grpo_multi_token_batch(grpo, assets: Path) -> None:
