@@ -1,1 +1,5 @@
-"""Helpers shared by tests and benchmarks: multi-rank runner, tiny HF checkpoints."""
+"""Helpers shared by tests and benchmarks (each exists once, here): multi-rank runner
+(multirank), tiny HF checkpoints (tiny_models), HF references and vLLM settings (hf_reference),
+a served vLLM rollout for refit tests (rollout_service), the three-turn episode checks
+(episodes), /proc and /dev/shm scans (processes), simulated SLURM (slurm_sim), the (model,
+layout) cases (layouts) and pytest fixtures (fixtures)."""

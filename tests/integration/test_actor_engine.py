@@ -7,6 +7,7 @@ import pytest
 import torch
 from engine_batches import padded_prompt_batch
 
+from rlhf_megatron.testing.hf_reference import hf_batch_logprobs, hf_model
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -25,17 +26,7 @@ def _batch(rows: int = 8, seq: int = 14):
 
 
 def _hf_token_values(hf_dir: str, batch):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), -1)
-    lp = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    mask = batch.loss_mask.float()
-    pad = torch.nn.functional.pad
-    return pad(lp, (1, 0)) * mask, pad(ent, (1, 0)) * mask
+    return hf_batch_logprobs(hf_model(hf_dir), batch, entropy=True)
 
 
 def _dp_share(batch, dims):

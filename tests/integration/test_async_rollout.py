@@ -14,36 +14,25 @@ import time
 
 import pytest
 import torch
-from test_episodes_vllm import assert_async_episodes, run_with_three_turn_env
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+from rlhf_megatron.testing.episodes import assert_async_episodes, run_with_three_turn_env
+from rlhf_megatron.testing.hf_reference import (
+    ASYNC_VLLM_ENV,
+    hf_continuation_logprobs,
+    layer_buckets,
+)
+
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5]]
 MAX_TOKENS = 160
-
-
-def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """(len(tokens),) log-probs of `tokens` after `prompt` (full recompute, fp32)."""
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-
-
-def _layer_buckets(state: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
-    buckets: dict[str, list] = {}
-    for name, tensor in state.items():
-        key = name.split(".")[2] if name.startswith("model.layers.") else "rest"
-        buckets.setdefault(key, []).append((name, tensor))
-    return list(buckets.values())
 
 
 def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
     import transformers
     from safetensors.torch import load_file
-    from test_episodes_vllm import async_episode_checks
 
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
     from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
+    from rlhf_megatron.testing.episodes import async_episode_checks
 
     engine = AsyncRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0), capacity=8)
     out: dict = {}
@@ -59,7 +48,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
         frozen = engine.tokens_in_flight()
         time.sleep(0.5)  # paused: no token may arrive
         out["tokens_while_paused"] = engine.tokens_in_flight() - frozen
-        for bucket in _layer_buckets(new_state):
+        for bucket in layer_buckets(new_state):
             engine.load_weights(bucket)
         out["version"] = engine.finish_weight_update(1)
         groups = engine.take(len(PROMPTS), timeout=300)
@@ -84,7 +73,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
             out["spanning"] += int(len(set(sample.versions)) == 2)
             lp = torch.tensor(sample.logprobs)
             for version, model in models.items():
-                ref = _hf_logprobs(model, group.prompt, sample.tokens)
+                ref = hf_continuation_logprobs(model, group.prompt, sample.tokens)
                 sel = versions == version
                 if sel.any():
                     diffs[version] = max(diffs[version], (lp - ref)[sel].abs().max().item())
@@ -97,7 +86,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
 
 @pytest.mark.multirank
 def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
-    out = run_with_three_turn_env(_partial_rollout_job, tmp_path, VLLM_ENV)
+    out = run_with_three_turn_env(_partial_rollout_job, tmp_path, ASYNC_VLLM_ENV)
     assert out["version"] == 1
     assert out["tokens_while_paused"] == 0, out
     assert sorted(out["keys"]) == [0, 1, 2] and out["counts"]["in_flight"] == 0, out

@@ -19,6 +19,7 @@ import torch
 
 from checkpoint_tools.__main__ import main
 from checkpoint_tools.common import METADATA_FILE
+from rlhf_megatron.testing.hf_reference import hf_model, hf_token_logprobs
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,13 +136,8 @@ def test_bf16_gqa3_tied_round_trip_keeps_dtype_and_is_bit_exact_by_default(tmp_p
     size = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
     assert sum(f.stat().st_size for f in out.glob("*.safetensors")) < 1.05 * size
 
-    import transformers
-
     tokens = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    with torch.no_grad():
-        logits = hf(tokens).logits
-    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    expected = hf_token_logprobs(hf_model(hf_dir), tokens)[:, 1:]
     with single_rank_group():
         engine = ReferenceEngine(EngineConfig(micro_batch_size=2), hf_dir=ckpt,
                                  dims=ParallelDims(1))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from checkpoint_tools.__main__ import main
+from rlhf_megatron.testing.hf_reference import hf_model, hf_token_logprobs
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -25,13 +26,7 @@ def _batch():
 
 
 def _hf_logprobs(hf_dir: str, batch) -> torch.Tensor:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids).logits
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    return torch.nn.functional.pad(lp, (1, 0)) * batch.loss_mask
+    return hf_token_logprobs(hf_model(hf_dir), batch.input_ids, loss_mask=batch.loss_mask)
 
 
 def _job(converted: str, hf_dir: str, train_ckpt: str) -> dict:

@@ -3,46 +3,17 @@ exactly vLLM's generated ids plus observation deltas (a re-tokenised conversatio
 and on multi-turn rows vLLM's log-probs equal an fp32 forward of the whole episode within 1e-4.
 Here on the synchronous engine (the trainer's path); the same checks on the async engine, plus a
 tool that sleeps 2 s in one episode while the others generate all their later turns, run in
-tests/integration/test_async_rollout.py on that test's AsyncLLM (``async_episode_checks`` below,
-so no second AsyncLLM start).
+tests/integration/test_async_rollout.py on that test's AsyncLLM (the checks shared through
+``rlhf_megatron.testing.episodes``, so no second AsyncLLM start).
 
 The environment is loaded from a file by "path.py:Class" (the config path users take)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from rlhf_megatron.testing.multirank import run_on_ranks
-from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
-
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-SLOW_SECONDS = 2.0
-ENV_FILE = '''
-import time
-from rlhf_megatron.environments import Environment, StepResult
-
-class ThreeTurns(Environment):
-    """Three turns, observations between; the sample "slow" sleeps in its first tool call.
-    LOG records (episode prompt, turn, step start, step end) for the timing check."""
-
-    LOG = []
-
-    def reset(self, sample):
-        self.n, self.prompt, self.slow = 0, sample["prompt"], sample.get("slow", 0.0)
-        return [{"role": "user", "content": sample["prompt"]}]
-
-    def step(self, text):
-        start = time.monotonic()
-        self.n += 1
-        if self.n == 1:
-            time.sleep(self.slow)
-        self.LOG.append((self.prompt, self.n, start, time.monotonic()))
-        self.tool_stats.calls += 1
-        if self.n == 3:
-            return StepResult([], float(len(text) % 2), True)
-        return StepResult([{"role": "tool", "content": f"result {self.n * 17}"}], None, False)
-'''
+from rlhf_megatron.testing.episodes import checked_against_hf, run_with_three_turn_env
+from rlhf_megatron.testing.hf_reference import VLLM_ENV
 
 
 def _episodes_job(hf_dir: str, env_spec: str) -> dict:
@@ -76,101 +47,7 @@ def _episodes_job(hf_dir: str, env_spec: str) -> dict:
                             max_tokens_per_episode=120, tool_workers=4)
     runner = EpisodeRunner(load_environment(env_spec), cfg, chat, recording)
     episodes = runner.run(samples)
-    return _checked_against_hf(episodes, turns, tok, hf_dir)
-
-
-def _checked_against_hf(episodes: list, turns: list[tuple[int, list[int]]], tok, hf_dir: str,
-                        weights: dict | None = None) -> dict:
-    """The facts both runners' tests assert: kept ids = generated ids per episode, how many
-    generated turns would change under decode+encode, and the rollout log-probs' largest gap from
-    an fp32 HF forward of the whole multi-turn rows (HF weights from ``hf_dir``, then
-    ``weights`` if given)."""
-    import transformers
-
-    from rlhf_megatron.rollout.episodes import episode_metrics, episodes_to_batch
-
-    batch = episodes_to_batch(episodes)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    if weights is not None:
-        model.load_state_dict(weights, strict=False)
-    with torch.no_grad():
-        logits = model.eval()(input_ids=batch.input_ids,
-                              attention_mask=batch.attention_mask).logits
-    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
-        -1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    lp = torch.nn.functional.pad(lp, (1, 0)) * batch.loss_mask
-    kept = [[t for t, m in zip(e.ids, e.loss_mask) if m] for e in episodes]
-    generated = [sum((t for who, t in turns if who == i), []) for i in range(len(episodes))]
-    retok_changes = sum(tok.encode(tok.decode(t), add_special_tokens=False) != t for _, t in turns)
-    return {
-        "turns": [e.turns for e in episodes], "truncated": [e.truncated for e in episodes],
-        "kept_equals_generated": kept == generated, "retokenise_changes": retok_changes,
-        "n_turns": len(turns), "lp_diff": (batch.rollout_logprobs - lp).abs().max().item(),
-        "assistant_tokens": int(batch.loss_mask.sum()), "metrics": episode_metrics(episodes),
-    }
-
-
-def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> dict:
-    """On a running AsyncRolloutEngine whose weights are ``weights`` (HF names): 6 three-turn
-    episodes through AsyncEpisodeRunner, episode 0's first tool call sleeping SLOW_SECONDS; the
-    facts checked by ``assert_async_episodes``."""
-    import transformers
-
-    from rlhf_megatron.environments import load_environment
-    from rlhf_megatron.environments.config import EnvironmentConfig
-    from rlhf_megatron.rollout import SamplingSettings
-    from rlhf_megatron.rollout.async_episodes import AsyncEpisodeRunner
-    from rlhf_megatron.rollout.episodes import ChatFormat
-
-    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    samples = [{"prompt": f"question {i}", "slow": SLOW_SECONDS if i == 0 else 0.0}
-               for i in range(6)]
-    env_cls = load_environment(env_spec)
-    cfg = EnvironmentConfig(path=env_spec, max_turns=4, max_tokens_per_turn=12,
-                            max_tokens_per_episode=120, tool_workers=4)
-    turns: list[tuple[int, list[int]]] = []  # (episode, generated ids) per turn
-    runner = AsyncEpisodeRunner(env_cls, cfg, ChatFormat(tok), engine,
-                                SamplingSettings(temperature=1.0, max_tokens=12, seed=5))
-    record_turn = runner._record_turn
-
-    def recording(e, out):
-        turns.append((e.sample_index, list(out.token_ids)))
-        return record_turn(e, out)
-
-    runner._record_turn = recording
-    episodes = runner.run(samples)
-    return {**_checked_against_hf(episodes, turns, tok, hf_dir, weights),
-            "log": list(env_cls.LOG)}
-
-
-def assert_async_episodes(out: dict) -> None:
-    """What async_episode_checks must show (see the module docstring)."""
-    assert out["turns"] == [3] * 6 and not any(out["truncated"]), out
-    assert out["kept_equals_generated"], out
-    assert out["retokenise_changes"] >= 1, out
-    assert out["lp_diff"] < 1e-4, out
-    assert out["metrics"]["episode/tool_calls_mean"] == 3.0
-    # While episode 0's first tool call sleeps, the other five finish: every one of their later
-    # turns is generated before it returns, most of them inside its sleep (a step starts right
-    # after its turn was generated).
-    (slow,) = [(start, end) for prompt, n, start, end in out["log"]
-               if prompt == "question 0" and n == 1]
-    assert slow[1] - slow[0] >= SLOW_SECONDS - 0.1, out["log"]
-    later = [start for prompt, n, start, _ in out["log"] if prompt != "question 0" and n >= 2]
-    assert len(later) == 10, out["log"]
-    assert all(t < slow[1] for t in later), (slow, sorted(later))
-    assert sum(t > slow[0] for t in later) >= 5, (slow, sorted(later))
-
-
-def run_with_three_turn_env(job, tmp_path, env: dict[str, str]) -> dict:
-    """`job(hf_dir, env_spec)` in one fresh process, on a tiny Qwen3 checkpoint and the
-    ThreeTurns environment (ENV_FILE) written under `tmp_path`; its result."""
-    hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3ForCausalLM")
-    env_file = tmp_path / "three_turns.py"
-    env_file.write_text(ENV_FILE)
-    (out,) = run_on_ranks(job, 1, (str(hf_dir), f"{env_file}:ThreeTurns"),
-                          timeout_s=600, env=env, init_distributed=False)
-    return out
+    return checked_against_hf(episodes, turns, tok, hf_dir)
 
 
 @pytest.mark.multirank

@@ -14,32 +14,36 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import pytest
-from test_refit import _connect, _fixed_batch, _serve_rollout, _train_step
 
+from rlhf_megatron.testing.layouts import MOE_REFIT
 from rlhf_megatron.testing.multirank import find_free_port, run_on_ranks
+from rlhf_megatron.testing.rollout_service import (
+    connect_rollout,
+    refit_batch,
+    serve_rollout,
+    train_step,
+)
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
-
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, ep)
 
 
 def _moe_refit_job(hf_dir: str, port: int) -> dict:
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout, initialize_layout
     from rlhf_megatron.refit import SharedMemoryTransport, is_stage_sender, refit_rollout
     from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
-    rollout = _connect(port)
-    batch = _fixed_batch()
+    rollout = connect_rollout(port)
+    batch = refit_batch()
     out = {}
-    for version, (tp, pp, ep) in enumerate(LAYOUTS, start=1):
-        dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp, ep=ep)
+    for version, layout in enumerate(MOE_REFIT.layouts, start=1):
+        dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
         config = EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=2.0))
         actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
         before = actor.compute_logprobs(batch)["logprobs"]
-        _train_step(actor, batch)
+        train_step(actor, batch)
         transport = SharedMemoryTransport()
         refit_rollout(actor, rollout if is_stage_sender() else None, transport, version=version)
         trainer_lp = actor.compute_logprobs(batch)["logprobs"]
@@ -49,7 +53,7 @@ def _moe_refit_job(hf_dir: str, port: int) -> dict:
             result["diff"] = rollout_logprob_diff(rollout_lp, trainer_lp, batch.loss_mask)
             result["moved"] = rollout_logprob_diff(before, trainer_lp, batch.loss_mask)
         transport.close()
-        out[f"tp{tp}pp{pp}ep{ep}"] = result
+        out[layout.name] = result
         destroy_layout()
     rollout.close()
     return out
@@ -57,12 +61,12 @@ def _moe_refit_job(hf_dir: str, port: int) -> dict:
 
 @pytest.mark.multirank
 def test_moe_refit_into_vllm_matches_the_actor(tmp_path):
-    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3MoeForCausalLM"))
+    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", MOE_REFIT.architectures[0]))
     port = find_free_port()
-    server = mp.get_context("spawn").Process(target=_serve_rollout, args=(hf_dir, port, 2))
+    server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 2))
     server.start()
     try:
-        per_rank = run_on_ranks(_moe_refit_job, 2, (hf_dir, port), timeout_s=600)
+        per_rank = run_on_ranks(_moe_refit_job, MOE_REFIT.ranks, (hf_dir, port), timeout_s=600)
     finally:
         server.join(timeout=60)
         if server.is_alive():

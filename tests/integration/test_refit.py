@@ -13,47 +13,18 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from rlhf_megatron.testing.hf_reference import hf_greedy, hf_model
+from rlhf_megatron.testing.layouts import REFIT
 from rlhf_megatron.testing.multirank import find_free_port, run_on_ranks
+from rlhf_megatron.testing.rollout_service import (
+    connect_rollout,
+    refit_batch,
+    serve_rollout,
+    train_step,
+)
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5, 77, 3]]
-LAYOUTS = [(2, 1), (1, 2)]
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "1"}
-
-
-def _serve_rollout(hf_dir: str, port: int, clients: int) -> None:
-    import os
-    from multiprocessing.connection import Listener
-
-    os.environ.update(VLLM_ENV)
-    from rlhf_megatron.refit.rollout_server import AUTHKEY, RolloutService, serve
-    from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
-
-    with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
-        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=128, seed=0))
-        serve(RolloutService(engine), listener, clients=clients)
-
-
-def _connect(port: int):
-    from rlhf_megatron.refit.rollout_server import RolloutConnection
-
-    return RolloutConnection.wait_for(("127.0.0.1", port))
-
-
-def _fixed_batch():
-    from rlhf_megatron.data.batch import TokenBatch
-
-    g = torch.Generator().manual_seed(9)
-    ids = torch.randint(3, 300, (4, 16), generator=g)
-    attn = torch.ones_like(ids)
-    attn[1, 11:] = 0
-    loss_mask = attn.clone()
-    loss_mask[:, :4] = 0
-    return TokenBatch(ids * attn, attn, loss_mask,
-                      {"advantages": torch.randn(ids.shape, generator=g) * loss_mask})
-
-
 class _DropOneBucket:
     """A transport that 'loses' bucket 1 (the stale-weights check)."""
 
@@ -76,13 +47,6 @@ class _DropOneBucket:
         self.inner.release(handle)
 
 
-def _train_step(engine, batch):
-    from rlhf_megatron.engines import PolicyUpdateSettings
-
-    old = engine.compute_logprobs(batch)["logprobs"]
-    engine.update_policy(batch.with_fields(old_logprobs=old), PolicyUpdateSettings())
-
-
 def _make_transport(kind: str, port: int):
     from megatron.core import parallel_state
 
@@ -99,20 +63,20 @@ def _refit_job(hf_dir: str, port: int, kind: str) -> dict:
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout, initialize_layout
     from rlhf_megatron.refit import is_stage_sender, iter_hf_tensors, refit_rollout
     from rlhf_megatron.rollout import SamplingSettings
     from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
-    rollout = _connect(port)
-    batch = _fixed_batch()
+    rollout = connect_rollout(port)
+    batch = refit_batch()
     out, version = {}, 0
-    for tp, pp in LAYOUTS:
-        dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp)
+    for layout in REFIT.layouts:
+        dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
         config = EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=2.0))
         actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
-        _train_step(actor, batch)
+        train_step(actor, batch)
         transport = _make_transport(kind, port + 10 * version)
         version += 1
         stats = refit_rollout(actor, rollout if is_stage_sender() else None, transport,
@@ -130,7 +94,7 @@ def _refit_job(hf_dir: str, port: int, kind: str) -> dict:
         exported = {t.name: t.tensor.clone() for t in iter_hf_tensors(actor)}
         result["exported"] = exported
         # Another step, then a refit that drops one bucket: parity must break.
-        _train_step(actor, batch)
+        train_step(actor, batch)
         version += 1
         refit_rollout(actor, rollout if is_stage_sender() else None, _DropOneBucket(transport),
                       version=version, bucket_bytes=200_000)
@@ -139,25 +103,17 @@ def _refit_job(hf_dir: str, port: int, kind: str) -> dict:
             rollout_lp = rollout.call("score_logprobs", batch)
             result["dropped_diff"] = rollout_logprob_diff(rollout_lp, trainer_lp, batch.loss_mask)
         transport.close()
-        out[f"tp{tp}pp{pp}"] = result
+        out[layout.name] = result
         destroy_layout()
     rollout.close()
     return out
 
 
 def _hf_greedy(hf_dir: str, state: dict[str, torch.Tensor]) -> list[list[int]]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = hf_model(hf_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
-    outputs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            outputs.append(ids[0, len(prompt):].tolist())
-    return outputs
+    return [hf_greedy(model, prompt, 6) for prompt in PROMPTS]
 
 
 @pytest.mark.multirank
@@ -166,13 +122,13 @@ def _hf_greedy(hf_dir: str, state: dict[str, torch.Tensor]) -> list[list[int]]:
     ids=["untied-shm", "tied-shm", "untied-broadcast"],
 )
 def test_refit_into_vllm_matches_the_actor(tmp_path, tied, kind):
-    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen2ForCausalLM",
+    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", REFIT.architectures[0],
                                           tie_word_embeddings=tied))
     port = find_free_port()
-    server = mp.get_context("spawn").Process(target=_serve_rollout, args=(hf_dir, port, 2))
+    server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 2))
     server.start()
     try:
-        per_rank = run_on_ranks(_refit_job, 2, (hf_dir, port, kind), timeout_s=900)
+        per_rank = run_on_ranks(_refit_job, REFIT.ranks, (hf_dir, port, kind), timeout_s=900)
     finally:
         server.join(timeout=60)
         if server.is_alive():

@@ -36,6 +36,7 @@ from rlhf_megatron.cli import main
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore, verify_checkpoint
 from rlhf_megatron.controller.lifecycle import EXIT_PREEMPTED
 from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.testing.processes import pids_with_env, refit_segments
 
 TAG_VAR = "RLHF_RELIAB_TAG"
 WORKER_TITLES = (b"ray::MegatronWorker", b"ray::RolloutWorker")
@@ -54,32 +55,10 @@ def reward(responses, answers, **kwargs):
 """
 
 
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("rlhf_megatron_refit_*")}
-
-
-def _tagged(tag: str, titles: tuple[bytes, ...] = ()) -> list[int]:
-    """Live processes whose environment carries our tag (and, if given, one of the titles)."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if state != "Z" and (not titles or any(t in cmdline for t in titles)):
-            found.append(int(entry.name))
-    return found
-
-
 def _left_over(tag: str, titles: tuple[bytes, ...] = (), grace_s: float = 20.0) -> list[int]:
     deadline = time.monotonic() + grace_s
-    while (left := _tagged(tag, titles)) and time.monotonic() < deadline:
+    tagged = f"{TAG_VAR}={tag}"
+    while (left := pids_with_env(tagged, titles, live_only=True)) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in left:  # do not leak into the next test
         os.kill(pid, signal.SIGKILL)
@@ -130,7 +109,7 @@ def preempted(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     """Run 1: SIGTERM after step 1 has been logged; returns (run dir, step reached)."""
     tmp = tmp_path_factory.mktemp("preempted")
     run_dir, log, tag = tmp / "run", tmp / "run1.log", uuid.uuid4().hex
-    segments = _segments()
+    segments = refit_segments()
     process = _start(small_run_overrides(assets, run_dir, **{
         "trainer.total_steps": 60, "trainer.val_every": 0, "trainer.save_every": 0}), log, tag)
     wait_until(lambda: len(read_metrics(run_dir)) >= 1, process, timeout=240)
@@ -149,7 +128,7 @@ def preempted(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     assert 1 <= step < 60 and Path(match.group(2)).name == f"step_{step:08d}"
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 1))
     assert not _left_over(tag), "processes of the run outlived it"
-    assert _segments() <= segments, "refit segments left in /dev/shm"
+    assert refit_segments() <= segments, "refit segments left in /dev/shm"
     return run_dir, step
 
 
@@ -166,7 +145,7 @@ def test_resume_continues_at_the_next_step_then_falls_back_past_a_damaged_checkp
         preempted, assets: Path, head: RayHead, head_tag: str, tmp_path: Path, capsys) -> None:
     run_dir, step = preempted
     # Run 2: resume=auto continues at exactly the next step.
-    segments = _segments()
+    segments = refit_segments()
     log = tmp_path / "run2.log"
     overrides = small_run_overrides(assets, run_dir, **{
         "trainer.total_steps": step + 1, "trainer.val_every": 0, "trainer.save_every": 0,
@@ -177,7 +156,7 @@ def test_resume_continues_at_the_next_step_then_falls_back_past_a_damaged_checkp
     assert f"at step {step + 1}" in text
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 2))
     assert not _left_over(head_tag, WORKER_TITLES), "workers outlived the run"
-    assert _segments() <= segments
+    assert refit_segments() <= segments
 
     # Damage the newest checkpoint behind its intact COMPLETE marker.
     newest = run_dir / "checkpoints" / f"step_{step + 1:08d}"
@@ -215,4 +194,4 @@ def test_resume_continues_at_the_next_step_then_falls_back_past_a_damaged_checkp
     assert ended - hung_at < TIMEOUT_S + 20, f"ended {ended - hung_at:.1f}s after the hang began"
     assert not _left_over(tag), "the reward process or another process of the run is left"
     assert not _left_over(head_tag, WORKER_TITLES), "workers outlived the run"
-    assert _segments() <= segments, "refit segments left in /dev/shm"
+    assert refit_segments() <= segments, "refit segments left in /dev/shm"

@@ -19,7 +19,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from rlhf_megatron.testing.hf_reference import token_logprobs
 from rlhf_megatron.testing.multirank import find_free_port, run_on_ranks
+from rlhf_megatron.testing.rollout_service import connect_rollout, serve_rollout
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.5, "high_freq_factor": 6.0,
@@ -29,8 +31,6 @@ MEGATRON_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 MODEL = {"rope_parameters": ROPE, "max_position_embeddings": 256, "num_layers": 2}
 LENGTHS = (200, 170)
 ENGINE_TOL, VLLM_TOL = 1e-5, 1e-4
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "1"}
 
 
 def _long_batch(vocab_size: int):
@@ -59,28 +59,7 @@ def _hf_outputs(hf_dir: str, batch, rope: dict | None = None) -> dict[str, torch
         hf_dir, config=config, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    lp = torch.nn.functional.pad(lp, (1, 0)) * batch.loss_mask
-    return {"logits": logits, "logprobs": lp}
-
-
-def _serve_rollout(hf_dir: str, port: int) -> None:
-    import os
-    from multiprocessing.connection import Listener
-
-    os.environ.update(VLLM_ENV)
-    from rlhf_megatron.refit.rollout_server import AUTHKEY, RolloutService, serve
-    from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
-
-    with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
-        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0))
-        serve(RolloutService(engine), listener, clients=1)
-
-
-def _connect(port: int):
-    from rlhf_megatron.refit.rollout_server import RolloutConnection
-
-    return RolloutConnection.wait_for(("127.0.0.1", port))
+    return {"logits": logits, "logprobs": token_logprobs(logits, batch.input_ids, batch.loss_mask)}
 
 
 def _engine_job(actor_dir: str, port: int, vocab_size: int) -> dict:
@@ -94,7 +73,7 @@ def _engine_job(actor_dir: str, port: int, vocab_size: int) -> dict:
     from rlhf_megatron.refit import SharedMemoryTransport, is_stage_sender, refit_rollout
 
     rank0 = dist.get_rank() == 0
-    rollout = _connect(port) if rank0 else None
+    rollout = connect_rollout(port) if rank0 else None
     batch, out = _long_batch(vocab_size), {}
     if rank0:
         out["vllm_before"] = rollout.call("score_logprobs", batch)
@@ -131,7 +110,7 @@ def parity(tmp_path_factory) -> dict:
 
     vocab_size = transformers.AutoConfig.from_pretrained(actor_dir).vocab_size
     port = find_free_port()
-    server = mp.get_context("spawn").Process(target=_serve_rollout, args=(rollout_dir, port))
+    server = mp.get_context("spawn").Process(target=serve_rollout, args=(rollout_dir, port, 1, 256))
     server.start()
     try:
         per_rank = run_on_ranks(_engine_job, 2, (actor_dir, port, vocab_size), timeout_s=600)

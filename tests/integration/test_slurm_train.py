@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from controller_harness import CONFIG, read_metrics, small_run_overrides
-from test_slurm_launch import SIM_NODES, run_local_sh, run_simulated_slurm
 
 from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.testing.processes import pids_with_env, proc_environ, proc_stat
+from rlhf_megatron.testing.slurm_sim import SIM_NODES, run_local_sh, run_simulated_slurm
 
 
 class WorkerNodes(threading.Thread):
@@ -29,7 +30,7 @@ class WorkerNodes(threading.Thread):
 
     def __init__(self, state_dir: Path) -> None:
         super().__init__(daemon=True)
-        self.needle = f"SIM_STATE={state_dir}".encode()
+        self.needle = f"SIM_STATE={state_dir}"
         self.nodes: dict[int, str] = {}
         self.parents: dict[int, int] = {}
         self.done = threading.Event()
@@ -40,25 +41,16 @@ class WorkerNodes(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(0.5):
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit() and int(entry.name) not in self.nodes:
-                    self._look(entry)
+            for pid in pids_with_env(self.needle, (b"ray::MegatronWorker",)):
+                if pid not in self.nodes:
+                    self._look(pid)
 
-    def _look(self, entry: Path) -> None:
-        try:
-            if b"ray::MegatronWorker" not in (entry / "cmdline").read_bytes():
-                return
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:  # gone
+    def _look(self, pid: int) -> None:
+        env, stat = proc_environ(pid), proc_stat(pid)
+        if env is None or stat is None:  # gone
             return
-        if self.needle in env:
-            try:  # /proc/<pid>/stat: "pid (comm) state ppid ..."
-                self.parents[int(entry.name)] = int(
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                return
-            node = next((v[9:].decode() for v in env if v.startswith(b"SIM_NODE=")), "?")
-            self.nodes[int(entry.name)] = node
+        self.parents[pid] = stat[1]
+        self.nodes[pid] = next((v[9:].decode() for v in env if v.startswith(b"SIM_NODE=")), "?")
 
 
 def _preempt_after_step_1(run_dir: Path) -> Callable[[subprocess.Popen], None]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_megatron.testing.hf_reference import VLLM_ENV, hf_batch_logprobs, hf_greedy, layer_buckets
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5]]
 
 
@@ -21,30 +21,6 @@ def _hf_model(hf_dir: str):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-
-
-def _hf_token_logprobs(model, batch) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), -1)
-    lp = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(lp, (1, 0)) * batch.loss_mask
-
-
-def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def _layer_buckets(state: dict[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
-    """Whole decoder layers per bucket (plus embeddings/norm/head in their own)."""
-    buckets: dict[str, list] = {}
-    for name, tensor in state.items():
-        key = name.split(".")[2] if name.startswith("model.layers.") else "rest"
-        buckets.setdefault(key, []).append((name, tensor))
-    return list(buckets.values())
 
 
 def _rollout_job(hf_dir: str) -> dict:
@@ -57,13 +33,13 @@ def _rollout_job(hf_dir: str) -> dict:
     out: dict = {}
     greedy = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=8))
     out["greedy_equal"] = all(
-        greedy.batch.input_ids[i, len(p): len(p) + 8].tolist() == _hf_greedy(model, p, 8)
+        greedy.batch.input_ids[i, len(p): len(p) + 8].tolist() == hf_greedy(model, p, 8)
         for i, p in enumerate(PROMPTS)
     )
     sampled = engine.generate(PROMPTS, SamplingSettings(n=3, temperature=1.0, max_tokens=6, seed=3))
     out["sampled_rows"] = len(sampled.batch)
     out["prompt_index"] = sampled.batch.fields["prompt_index"].tolist()
-    hf_lp = _hf_token_logprobs(model, sampled.batch)
+    hf_lp = hf_batch_logprobs(model, sampled.batch)
     out["sampled_lp_diff"] = (sampled.batch.fields["rollout_logprobs"] - hf_lp).abs().max().item()
     out["score_lp_diff"] = (engine.score_logprobs(sampled.batch) - hf_lp).abs().max().item()
 
@@ -77,10 +53,10 @@ def _rollout_job(hf_dir: str) -> dict:
         out["paused_generate"] = "allowed"
     except RuntimeError as exc:
         out["paused_generate"] = str(exc)
-    for bucket in _layer_buckets(new_state):
+    for bucket in layer_buckets(new_state):
         engine.load_weights(bucket)
     out["version"] = engine.finish_weight_update(1)
-    hf_lp = _hf_token_logprobs(model, sampled.batch)
+    hf_lp = hf_batch_logprobs(model, sampled.batch)
     out["updated_lp_diff"] = (engine.score_logprobs(sampled.batch) - hf_lp).abs().max().item()
     out["result_version"] = engine.generate(PROMPTS, SamplingSettings(max_tokens=2)).weight_version
 
@@ -90,18 +66,18 @@ def _rollout_job(hf_dir: str) -> dict:
     greedy = SamplingSettings(temperature=0.0, max_tokens=4)
     engine.generate(long_prompts, greedy)
     engine.begin_weight_update()
-    for bucket in _layer_buckets(state):
+    for bucket in layer_buckets(state):
         engine.load_weights(bucket)
     engine.finish_weight_update(2, reset_prefix_cache=False)
     model.load_state_dict(state, strict=False)
     stale = engine.generate(long_prompts, greedy).batch
     out["stale_lp_diff"] = (
-        stale.fields["rollout_logprobs"] - _hf_token_logprobs(model, stale)
+        stale.fields["rollout_logprobs"] - hf_batch_logprobs(model, stale)
     ).abs().max().item()
     engine.llm.reset_prefix_cache()
     fresh = engine.generate(long_prompts, greedy).batch
     out["fresh_lp_diff"] = (
-        fresh.fields["rollout_logprobs"] - _hf_token_logprobs(model, fresh)
+        fresh.fields["rollout_logprobs"] - hf_batch_logprobs(model, fresh)
     ).abs().max().item()
     return out
 

@@ -1,0 +1,56 @@
+"""The (model, layout) cases of the multi-rank tests, in one table: which parallel layouts each
+kind of test runs a tiny model at, so that a new layout or architecture is added in one place.
+
+    for layout in REFIT.layouts:
+        dims = layout.dims(world_size)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Megatron's parallel sizes; data parallelism takes the ranks left (ParallelDims)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    cp: int = 1
+
+    @property
+    def name(self) -> str:
+        """e.g. `tp2pp1`, `tp1pp2vpp2`, `tp1pp1ep2` (only sizes above 1 beyond tp and pp)."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"vpp{self.vpp}"] if self.vpp else []
+        parts += [f"{key}{size}" for key, size in (("cp", self.cp), ("ep", self.ep)) if size > 1]
+        return "".join(parts)
+
+    def dims(self, world_size: int) -> Any:
+        """This layout's ParallelDims on `world_size` ranks."""
+        from rlhf_megatron.parallel import ParallelDims
+
+        return ParallelDims(world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp,
+                            ep=self.ep)
+
+
+@dataclass(frozen=True)
+class Cases:
+    """Tiny models (HF architectures of rlhf_megatron.testing.tiny_models), each run at every
+    one of `layouts` on `ranks` ranks (one spawn of `ranks` processes runs them all)."""
+
+    architectures: tuple[str, ...]
+    layouts: tuple[Layout, ...]
+    ranks: int
+
+    def __iter__(self) -> Iterator[tuple[str, Layout]]:
+        return ((arch, layout) for arch in self.architectures for layout in self.layouts)
+
+
+# Refit into vLLM after an update: each way the trainer's weights are split on 2 ranks.
+REFIT = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
+MOE_REFIT = Cases(("Qwen3MoeForCausalLM",), (Layout(tp=2), Layout(pp=2), Layout(ep=2)), ranks=2)

