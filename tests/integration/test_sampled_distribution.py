@@ -18,11 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_megatron.testing.hf_reference import VLLM_ENV
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "1"}
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5]]
 TEMPERATURES = (0.6, 1.3)
 TOLERANCE = 1e-4
