@@ -77,6 +77,8 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
     "test_rope_scaling_parity.py": "RoPE scaling: HF, Megatron and vLLM",
     "test_sampled_distribution.py": "vLLM sampling temperature vs the trainer's log-probs",
     "test_real_model.py": "SmolLM2-135M dequantised, converted and verified",
+    "test_controller_faults.py::test_layout_larger_than_the_ray_cluster":
+        "a CLI subprocess that starts a 1-CPU Ray cluster of its own",
     "test_verify_catches_mapping_errors.py::"
     "test_deep_model_at_512_tokens_passes_correct_and_fails_one_perturbed_tensor":
         "a 30-layer model verified at 512 tokens",
