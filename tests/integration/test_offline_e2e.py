@@ -29,6 +29,12 @@ from rlhf_megatron.offline.quickstart import prepare
 STEPS = 30
 HALF = 15
 WINDOW = 5
+# How far the loss must fall, first WINDOW steps' mean to the last's. SFT (token-mean NLL of the
+# assistant turns, lr 2e-3): measured 2.823 -> 1.481 (seed-0 assets; trainer seeds 1 and 2 alike)
+# and 2.915 -> 1.773 at half that lr (docs/ALGORITHMS.md): 0.5 nats is under 0.45x the smaller
+# fall, so a run must learn the assistant turns, not just move (the old margin was 0.02).
+# KTO: measured 0.5005 -> 0.4438 (docs/ALGORITHMS.md); its margin stays 0.02.
+LOSS_FALL = {"sft": 0.5, "kto": 0.02}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,7 @@ def test_sft_and_kto_loss_falls(alg, assets, head, tmp_path):
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     first, last = window_means(records, "loss", WINDOW)
-    assert last < first - 0.02, (first, last)
+    assert last < first - LOSS_FALL[alg], (first, last)
     if alg == "kto":
         assert all(r["kl"] >= 0 for r in records)  # z0 is clamped at 0
         assert records[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # policy = reference at step 1
