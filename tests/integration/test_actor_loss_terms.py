@@ -57,6 +57,12 @@ CASES = {
         kl_loss_kind="low_var_kl",
         rollout_correction=dict(is_level="sequence", is_cap=1.15, icepop_low=0.75,
                                 icepop_high=1.3, geo_high=1.12)),
+    # seq-mean-token-sum (each sequence's token sum, averaged over sequences: a step a sequence's
+    # length larger than seq-mean-token-mean, so the token-sum case's lr) with a straight-through k1
+    "vanilla-k1plus-seqtokensum": dict(loss="vanilla", aggregation="seq-mean-token-sum",
+                                       kl_loss_coeff=0.4, kl_loss_kind="kl+", lr=0.01),
+    "vanilla-absplus-entropy": dict(loss="vanilla", aggregation="token-mean", entropy_coeff=0.1,
+                                    kl_loss_coeff=0.5, kl_loss_kind="abs+"),
 }
 
 
@@ -116,6 +122,8 @@ def _aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, scale: float
         return total
     if mode == "seq-mean-token-mean":
         return ((values * mask).sum(-1) / tokens_per_row.clamp(min=1)).sum() / seqs
+    if mode == "seq-mean-token-sum":
+        return total / seqs
     assert mode == "seq-mean-token-sum-norm"
     return total / (seqs * scale)
 
@@ -161,7 +169,8 @@ def _hand_loss(lp, ent, fields, mask, case: dict
     d = lp - fields["ref_logprobs"]
     k2 = 0.5 * d**2
     kl = {"low_var_kl": torch.exp(-d) + d - 1, "mse": k2, "kl": d, "abs": d.abs(),
-          "k3+": k2 + (torch.exp(-d) + d - 1 - k2).detach()}[case["kl_loss_kind"]]
+          "k3+": k2 + (torch.exp(-d) + d - 1 - k2).detach(), "kl+": k2 + (d - k2).detach(),
+          "abs+": k2 + (d.abs() - k2).detach()}[case["kl_loss_kind"]]
     kl_loss = _aggregate(kl, mask, case["aggregation"], scale)
     total = (pg_loss - case.get("entropy_coeff", 0.0) * entropy
              + case.get("kl_loss_coeff", 0.0) * kl_loss)
@@ -219,7 +228,8 @@ def _without(case: dict) -> dict[str, dict]:
     if case.get("tis_cap") is not None:
         variants["tis_cap"] = {**case, "tis_cap": None}
     if case.get("kl_loss_kind", "").endswith("+"):  # the straight-through gradient matters
-        variants["kl+"] = {**case, "kl_loss_kind": "low_var_kl"}
+        plain = {"k3+": "low_var_kl"}.get(case["kl_loss_kind"], case["kl_loss_kind"][:-1])
+        variants["kl+"] = {**case, "kl_loss_kind": plain}  # the kind without straight-through
     if case.get("rollout_correction"):
         variants["rollout_correction"] = {k: v for k, v in case.items()
                                           if k != "rollout_correction"}
@@ -321,7 +331,14 @@ def test_update_with_each_term_equals_the_hand_reference(hf_dir, batch, engine_r
 
 
 def test_the_cases_cover_every_kl_kind_and_aggregation():
-    kinds = {case["kl_loss_kind"] for case in CASES.values()}
-    assert kinds == {"low_var_kl", "mse", "kl", "abs", "k3+"}
+    from rlhf_megatron.algorithms import AGGREGATION_MODES, KL_ESTIMATORS
+
+    # every registered KL estimator reaches the engine: each name is a case's kind or an alias
+    # of the same function (k1 = kl, k3 = low_var_kl, mse+ = k2 = mse, ...)
+    used = {KL_ESTIMATORS.get(case["kl_loss_kind"]) for case in CASES.values()}
+    missing = [name for name in KL_ESTIMATORS.names() if KL_ESTIMATORS.get(name) not in used]
+    assert not missing, f"no case uses the KL kind(s) {missing}"
+    aggregations = {case["aggregation"] for case in CASES.values()}
+    assert aggregations == set(AGGREGATION_MODES.names()), aggregations
     assert {case["loss"] for case in CASES.values()} == {"vanilla", "gspo"}
     assert any(dataclasses.asdict(_settings(c).loss_config)["tis_cap"] for c in CASES.values())
