@@ -9,7 +9,8 @@ bf16 HF checkpoint by `quickstart prepare-real` (`make setup` installs it with -
   the full quickstart (64 samples x 12 tokens a step): mean 9.0e-6 / 7.5e-6 nats, max 4.4e-5 at
   steps 1 and 2 (issue 25: max 5.7e-5 over 30 steps); bf16 compute on either side gives ~3e-2
   mean at step 1 on this model. Mean <= 1e-4 and max <= 1e-3 (the drift alarm's fp32 default)
-  sit >10x above the fp32 figures and >30x below the bf16 ones.
+  sit >10x above the fp32 figures and >30x below the bf16 ones. Planted: this test's run with
+  rollout.engine.dtype=bfloat16 logged means 0.033 / 0.74 / 0.31 (max 0.145 / 7.0 / 1.97).
 - `rlhf-convert verify` (fp32 on both sides) passes the conversion of this checkpoint and fails
   each planted error of issue 25 part 3, made on the HF side (one tensor each, as a wrong mapping
   would move the values Megatron gets).
