@@ -16,8 +16,7 @@ rloo, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk) use the episode
 Every estimator is invariant to removing a mask-0 span from inside a row: the values on the
 assistant tokens do not change (tests/unit/algorithms/test_algo_advantages.py checks each).
 
-verl conventions (``verl/trainer/ppo/core_algos.py``), kept so verl hyperparameters carry over,
-with one deliberate exception, gpg (below):
+verl conventions (``verl/trainer/ppo/core_algos.py``), kept so its hyperparameters carry over (not gpg's):
   * gae: advantages are whitened over the batch (``masked_whiten``); ``returns = A_raw + V``.
     Masked positions are *skipped* (value and running GAE carried over them, multi-turn style).
   * grpo: ``(s - mean) / (std + eps)`` with the unbiased group std (``torch.std``), eps=1e-6
@@ -36,13 +35,8 @@ with one deliberate exception, gpg (below):
     tokens of a response); a group of one has baseline 0. No std division, no whitening.
   * gpg: ``alpha * (s - mean_g)``, ``alpha = B / (B - M)`` with B the batch's responses and M
     those in groups whose scores are all equal (they carry no gradient); the paper's F_norm = 1.
-    **This deviates from verl**, whose ``compute_gpg_outcome_advantage`` uses
-    ``alpha = B / count_nonzero(scores)``: it counts responses with a non-zero *reward*, not those
-    with a non-zero gradient, so its alpha changes when the rewards are shifted (0/1 against -1/0
-    rewards give different step sizes for the same ranking) and, with 0/1 rewards, counts the
-    correct answers instead of the informative groups. We follow the paper's definition (its
-    gradient-correction argument is about the zero-advantage responses); verl's gpg
-    hyperparameters therefore do not carry over unchanged.
+    **Deviates from verl** (``B / count_nonzero(scores)`` counts non-zero rewards, so shifting the
+    rewards changes the step): the paper's correction is about zero-gradient responses.
   * grpo_passk: only the best response of each group gets an advantage, ``s_max - s_second``,
     divided by ``std_g + eps`` when ``norm_by_std``; groups need >= 2 responses.
 """
