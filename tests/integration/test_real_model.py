@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from rlhf_megatron.quickstart_real import prepare_real
+from rlhf_megatron.testing.damage import conversion_damages, damaged_copy
 from tests.integration.controller_harness import REPO, read_metrics, run_train, small_run_overrides
 
 pytestmark = pytest.mark.slow
@@ -34,6 +35,7 @@ STEPS = 3
 FP32_MEAN_BOUND, FP32_MAX_BOUND = 1e-4, 1e-3
 SEQ_LEN = 128
 LAYERS, HEAD_DIM = 30, 64
+DAMAGES = conversion_damages(k_layer=7, mid_layer=15, layers=LAYERS, head_dim=HEAD_DIM)
 
 
 @pytest.fixture(scope="module")
@@ -59,46 +61,6 @@ def test_grpo_rollout_and_trainer_logprobs_agree_in_fp32(assets, tmp_path, head)
     assert any(r["actor/grad_norm"] > 0 for r in records[:-1]), records
 
 
-def _scale(name: str, factor: float):
-    def damage(weights: dict[str, torch.Tensor]) -> None:
-        weights[name] = (weights[name].float() * factor).to(weights[name].dtype)
-    return damage
-
-
-def _swap_query_heads(weights: dict[str, torch.Tensor]) -> None:
-    q = weights["model.layers.15.self_attn.q_proj.weight"]
-    first, second = q[:HEAD_DIM].clone(), q[HEAD_DIM:2 * HEAD_DIM].clone()
-    q[:HEAD_DIM], q[HEAD_DIM:2 * HEAD_DIM] = second, first
-
-
-def _exchange_gate_up(weights: dict[str, torch.Tensor]) -> None:
-    gate, up = "model.layers.15.mlp.gate_proj.weight", "model.layers.15.mlp.up_proj.weight"
-    weights[gate], weights[up] = weights[up], weights[gate]
-
-
-DAMAGES = {
-    "k_proj-x1.01": _scale("model.layers.7.self_attn.k_proj.weight", 1.01),
-    "two-q-heads-swapped": _swap_query_heads,
-    "gate-up-exchanged": _exchange_gate_up,
-    "last-layer-norm-x1.01": _scale(f"model.layers.{LAYERS - 1}.post_attention_layernorm.weight",
-                                    1.01),
-}
-
-
-def _damaged_copy(hf_dir: Path, out: Path, damage) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(hf_dir, out)
-    weights = load_file(str(out / "model.safetensors"))
-    before = {name: t.clone() for name, t in weights.items()}
-    damage(weights)
-    changed = [name for name in weights if not torch.equal(weights[name], before[name])]
-    assert len(changed) in (1, 2), changed  # one tensor (two for gate/up)
-    assert all(weights[name].dtype == torch.bfloat16 for name in changed)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
 def test_verify_passes_the_conversion_and_fails_each_planted_error(assets, tmp_path, capsys):
     from checkpoint_tools.__main__ import main
     from checkpoint_tools.common import ConvertedMetadata, process_group_of_one
@@ -120,7 +82,7 @@ def test_verify_passes_the_conversion_and_fails_each_planted_error(assets, tmp_p
     with process_group_of_one():
         megatron = megatron_logits_on_this_rank(str(ckpt), 1, 1, tokens)
     for name, damage in DAMAGES.items():
-        damaged = _damaged_copy(hf_dir, tmp_path / name, damage)
+        damaged = damaged_copy(hf_dir, tmp_path / name, damage, dtype=torch.bfloat16)
         result = judge(hf_reference(damaged, tokens), {"fp32": megatron})
         assert not result.ok, (name, result.summary())
         assert result.max_logprob_diff > 5 * result.logprob_tolerance, (name, result.summary())

@@ -18,7 +18,6 @@ touches, is run once per case (`hf_reference`) and judged by `judge`, as `verify
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from checkpoint_tools.verify import (
     megatron_logits_on_this_rank,
     verify_tokens,
 )
+from rlhf_megatron.testing.damage import conversion_damages, damaged_copy
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -39,32 +39,7 @@ LAYERS, HEAD_DIM = 24, 32
 LENGTHS = (128, 512, 2048)
 DAMAGE_AT = 512  # tokens the planted errors are judged at
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
-
-
-def _scale(name: str, factor: float):
-    def damage(weights: dict[str, torch.Tensor]) -> None:
-        weights[name] = (weights[name].float() * factor).to(weights[name].dtype)
-    return damage
-
-
-def _swap_query_heads(weights: dict[str, torch.Tensor]) -> None:
-    q = weights["model.layers.12.self_attn.q_proj.weight"]
-    first, second = q[:HEAD_DIM].clone(), q[HEAD_DIM:2 * HEAD_DIM].clone()
-    q[:HEAD_DIM], q[HEAD_DIM:2 * HEAD_DIM] = second, first
-
-
-def _exchange_gate_up(weights: dict[str, torch.Tensor]) -> None:
-    gate, up = "model.layers.12.mlp.gate_proj.weight", "model.layers.12.mlp.up_proj.weight"
-    weights[gate], weights[up] = weights[up], weights[gate]
-
-
-DAMAGES = {
-    "k_proj-x1.01": _scale("model.layers.12.self_attn.k_proj.weight", 1.01),
-    "two-q-heads-swapped": _swap_query_heads,
-    "gate-up-exchanged": _exchange_gate_up,
-    "last-layer-norm-x1.01": _scale(f"model.layers.{LAYERS - 1}.post_attention_layernorm.weight",
-                                    1.01),
-}
+DAMAGES = conversion_damages(k_layer=12, mid_layer=12, layers=LAYERS, head_dim=HEAD_DIM)
 
 
 @pytest.fixture(scope="module")
@@ -123,25 +98,11 @@ def test_a_correct_bf16_conversion_passes_at_every_layout(converted, megatron, l
         assert result.logprob_tolerance < 1e-4, (layout, result.summary())  # fp32's floor
 
 
-def _damaged_copy(hf_dir: Path, out: Path, damage) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(hf_dir, out)
-    weights = load_file(str(out / "model.safetensors"))
-    before = {name: t.clone() for name, t in weights.items()}
-    damage(weights)
-    changed = [name for name in weights if not torch.equal(weights[name], before[name])]
-    assert len(changed) in (1, 2), changed  # one tensor (two for gate/up)
-    assert all(weights[name].dtype == torch.bfloat16 for name in changed)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_each_planted_error_fails_at_every_layout_and_in_bf16_mode(converted, megatron,
                                                                    tmp_path, damage):
     hf_dir, ckpt = converted
-    damaged = _damaged_copy(hf_dir, tmp_path / "hf", DAMAGES[damage])
+    damaged = damaged_copy(hf_dir, tmp_path / "hf", DAMAGES[damage], dtype=torch.bfloat16)
     reference = hf_reference(damaged, _tokens(ckpt)[DAMAGE_AT], ("fp32", "bf16"))
     for layout in LAYOUTS:
         result = judge(reference, {"fp32": megatron[(layout, DAMAGE_AT)]})
@@ -168,7 +129,7 @@ def test_cli_reports_the_compute_dtype_and_exits_1_on_a_damaged_tensor(converted
     code, line = _cli(hf_dir, ckpt, capsys, "--compute-dtype", "bf16")
     assert code == 0 and "compute dtype bf16 (dtype check, ok)" in line, line
     bf16_tolerance = float(re.findall(r"log-prob diff\| = \S+ \(tolerance (\S+)\)", line)[1])
-    damaged = _damaged_copy(hf_dir, tmp_path / "hf", DAMAGES["k_proj-x1.01"])
+    damaged = damaged_copy(hf_dir, tmp_path / "hf", DAMAGES["k_proj-x1.01"], dtype=torch.bfloat16)
     code, line = _cli(damaged, ckpt, capsys, "--compute-dtype", "bf16")
     assert code == 1 and "MISMATCH" in line and "(dtype check, ok)" in line, line
     # The bf16 noise alone could not have told: the damage is far below its tolerance.

@@ -15,13 +15,12 @@ perturbed tensor.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from checkpoint_tools.__main__ import main
+from rlhf_megatron.testing.damage import damaged_copy, scale, swap_query_heads
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 HEAD_DIM = 32  # tiny_models: 4 query heads of 32
@@ -35,27 +34,7 @@ def converted(tmp_path_factory) -> tuple[Path, Path]:
     return hf_dir, root / "ckpt"
 
 
-def _scale_k_proj(weights: dict[str, torch.Tensor]) -> None:
-    weights["model.layers.1.self_attn.k_proj.weight"] *= 1.001
-
-
-def _swap_query_heads(weights: dict[str, torch.Tensor]) -> None:
-    q = weights["model.layers.2.self_attn.q_proj.weight"]
-    first, second = q[:HEAD_DIM].clone(), q[HEAD_DIM : 2 * HEAD_DIM].clone()
-    q[:HEAD_DIM], q[HEAD_DIM : 2 * HEAD_DIM] = second, first
-
-
-def _damaged_copy(hf_dir: Path, out: Path, damage) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(hf_dir, out)
-    weights = load_file(str(out / "model.safetensors"))
-    before = {name: t.clone() for name, t in weights.items()}
-    damage(weights)
-    changed = [name for name in weights if not torch.equal(weights[name], before[name])]
-    assert len(changed) == 1, changed  # exactly one tensor differs
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+_scale_k_proj = scale("model.layers.1.self_attn.k_proj.weight", 1.001)
 
 
 def _verify(hf_dir: Path, ckpt: Path, capsys, *extra: str) -> tuple[int, float, float]:
@@ -72,11 +51,11 @@ def test_verify_passes_on_the_source_checkpoint(converted, capsys):
     assert code == 0 and diff <= tolerance
 
 
-@pytest.mark.parametrize("damage", [_scale_k_proj, _swap_query_heads],
+@pytest.mark.parametrize("damage", [_scale_k_proj, swap_query_heads(2, HEAD_DIM)],
                          ids=["k_proj-x1.001", "two-q-heads-swapped"])
 def test_verify_exits_1_on_one_damaged_tensor(converted, tmp_path, capsys, damage):
     hf_dir, ckpt = converted
-    damaged = _damaged_copy(hf_dir, tmp_path / "hf", damage)
+    damaged = damaged_copy(hf_dir, tmp_path / "hf", damage, changed=(1,))
     code, diff, tolerance = _verify(damaged, ckpt, capsys)
     assert code == 1, (diff, tolerance)
     assert diff > tolerance
@@ -105,6 +84,6 @@ def test_deep_model_at_512_tokens_passes_correct_and_fails_one_perturbed_tensor(
     correct = compare(hf_dir, ckpt, batch=1, seq_len=512)
     assert correct.max_logit_diff > 1e-4, correct.summary()  # the old fixed tolerance failed it
     assert correct.ok and correct.top1_agreement == 1.0, correct.summary()
-    damaged = _damaged_copy(hf_dir, tmp_path / "hf", _scale_k_proj)
+    damaged = damaged_copy(hf_dir, tmp_path / "hf", _scale_k_proj, changed=(1,))
     code, diff, tolerance = _verify(damaged, ckpt, capsys, "--batch", "1", "--seq-len", "512")
     assert code == 1 and diff > tolerance, (diff, tolerance)
