@@ -169,6 +169,23 @@ def test_rollout_logprobs_are_tempered(rollouts: dict) -> None:
     assert _max_diff(batch.rollout_logprobs, hf["logprobs"]) < TOLERANCE
 
 
+def _ranks_matching_hf(batch, hf: dict, engine_values: dict, tp: int, kind: str):
+    """Each engine rank's values of `kind` at `tp`, padded and packed, after asserting that its
+    old, reference and current log-probs and entropies equal HF's on that rank's rows.
+    Yields (label, the rank's rows, the rank's values)."""
+    for packing in PACKING[tp]:
+        for rank in engine_values[(tp, packing, kind)]:
+            dp = 2 // tp
+            rows = batch.chunk(dp)[rank["dp_rank"]] if dp > 1 else batch
+            ref = {k: v.chunk(dp)[rank["dp_rank"]] for k, v in hf.items()}
+            label = f"tp{tp} packing={packing} rank {rank['rank']}"
+            for field in ("old", "ref", "current"):
+                assert _max_diff(rank[field], ref["logprobs"]) < TOLERANCE, (label, field)
+            for field in ("old_entropy", "current_entropy"):
+                assert _max_diff(rank[field], ref["entropy"]) < TOLERANCE, (label, field)
+            yield label, rows, rank
+
+
 @pytest.mark.parametrize("tp", [2, 1])
 def test_trainer_logprobs_and_entropy_are_tempered(rollouts: dict, engine_values: dict,
                                                    tp: int) -> None:
@@ -178,19 +195,10 @@ def test_trainer_logprobs_and_entropy_are_tempered(rollouts: dict, engine_values
     batch, hf = rollouts["tempered"]["batch"], rollouts["tempered"]["hf"]
     mask = batch.loss_mask.bool()
     hf_entropy_mean = float(hf["entropy"][mask].mean())
-    for packing in PACKING[tp]:
-        for rank in engine_values[(tp, packing, "tempered")]:
-            dp = 2 // tp
-            rows = batch.chunk(dp)[rank["dp_rank"]] if dp > 1 else batch
-            ref = {k: v.chunk(dp)[rank["dp_rank"]] for k, v in hf.items()}
-            label = f"tp{tp} packing={packing} rank {rank['rank']}"
-            for field in ("old", "ref", "current"):
-                assert _max_diff(rank[field], ref["logprobs"]) < TOLERANCE, (label, field)
-            for field in ("old_entropy", "current_entropy"):
-                assert _max_diff(rank[field], ref["entropy"]) < TOLERANCE, (label, field)
-            assert rank["entropy_metric"] == pytest.approx(hf_entropy_mean, abs=TOLERANCE), label
-            assert abs(rank["corrected"]["rollout_corr/log_ratio_mean"]) < TOLERANCE, label
-            assert rows.temperature.numel() == rank["old"].shape[0]
+    for label, rows, rank in _ranks_matching_hf(batch, hf, engine_values, tp, "tempered"):
+        assert rank["entropy_metric"] == pytest.approx(hf_entropy_mean, abs=TOLERANCE), label
+        assert abs(rank["corrected"]["rollout_corr/log_ratio_mean"]) < TOLERANCE, label
+        assert rows.temperature.numel() == rank["old"].shape[0]
 
 
 def test_truncated_behaviour_logprobs_are_renormalised(rollouts: dict) -> None:
@@ -219,22 +227,13 @@ def test_truncated_trainer_logprobs_replay_the_cut(rollouts: dict, engine_values
     from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
     batch, hf = rollouts["truncated"]["batch"], rollouts["truncated"]["hf"]
-    for packing in PACKING[tp]:
-        for rank in engine_values[(tp, packing, "truncated")]:
-            dp = 2 // tp
-            rows = batch.chunk(dp)[rank["dp_rank"]] if dp > 1 else batch
-            ref = {k: v.chunk(dp)[rank["dp_rank"]] for k, v in hf.items()}
-            label = f"tp{tp} packing={packing} rank {rank['rank']}"
-            for field in ("old", "ref", "current"):
-                assert _max_diff(rank[field], ref["logprobs"]) < TOLERANCE, (label, field)
-            for field in ("old_entropy", "current_entropy"):
-                assert _max_diff(rank[field], ref["entropy"]) < TOLERANCE, (label, field)
-            diff = rollout_logprob_diff(rows.rollout_logprobs, rank["old"], rows.loss_mask)
-            assert diff["rollout/logprob_diff_mean"] < TOLERANCE, label
-            correction = compute_rollout_correction(
-                rank["old"], rows.rollout_logprobs, rows.loss_mask,
-                RolloutCorrectionConfig(is_level="token", is_cap=10.0))
-            weights = correction.weights[rows.loss_mask.bool()]
-            assert _max_diff(weights, torch.ones_like(weights)) < 2 * TOLERANCE, label
-            assert rank["corrected"]["rollout_corr/is_weight_max"] == pytest.approx(
-                1.0, abs=2 * TOLERANCE), label
+    for label, rows, rank in _ranks_matching_hf(batch, hf, engine_values, tp, "truncated"):
+        diff = rollout_logprob_diff(rows.rollout_logprobs, rank["old"], rows.loss_mask)
+        assert diff["rollout/logprob_diff_mean"] < TOLERANCE, label
+        correction = compute_rollout_correction(
+            rank["old"], rows.rollout_logprobs, rows.loss_mask,
+            RolloutCorrectionConfig(is_level="token", is_cap=10.0))
+        weights = correction.weights[rows.loss_mask.bool()]
+        assert _max_diff(weights, torch.ones_like(weights)) < 2 * TOLERANCE, label
+        assert rank["corrected"]["rollout_corr/is_weight_max"] == pytest.approx(
+            1.0, abs=2 * TOLERANCE), label
