@@ -26,7 +26,7 @@ from controller_harness import (
 )
 
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore
-from rlhf_megatron.testing.processes import refit_segments
+from rlhf_megatron.testing.processes import leaked_refit_segments, refit_segments
 
 # `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 
@@ -106,7 +106,7 @@ def test_killed_worker_ends_the_run_naming_it(assets: Path, tmp_path: Path) -> N
                         victims=lambda: titled_processes("ray::MegatronWorker", process.pid))
     assert line.startswith("rlhf-megatron: error: worker actor[") and "died" in line, line
     # ray.kill skips the workers' finalizers: the driver unlinks the segments they made.
-    assert refit_segments() <= segments, "refit segments left in /dev/shm after a worker death"
+    assert not leaked_refit_segments(segments), "refit segments left in /dev/shm by the dead worker"
 
 
 # ---------------------------------------------------------------------------- bad inputs

@@ -36,7 +36,7 @@ from rlhf_megatron.cli import main
 from rlhf_megatron.controller.checkpoint_store import CheckpointStore, verify_checkpoint
 from rlhf_megatron.controller.lifecycle import EXIT_PREEMPTED
 from rlhf_megatron.quickstart import prepare
-from rlhf_megatron.testing.processes import pids_with_env, refit_segments
+from rlhf_megatron.testing.processes import leaked_refit_segments, pids_with_env, refit_segments
 
 TAG_VAR = "RLHF_RELIAB_TAG"
 WORKER_TITLES = (b"ray::MegatronWorker", b"ray::RolloutWorker")
@@ -128,7 +128,7 @@ def preempted(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     assert 1 <= step < 60 and Path(match.group(2)).name == f"step_{step:08d}"
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 1))
     assert not _left_over(tag), "processes of the run outlived it"
-    assert refit_segments() <= segments, "refit segments left in /dev/shm"
+    assert not leaked_refit_segments(segments), "refit segments left in /dev/shm"
     return run_dir, step
 
 
@@ -156,7 +156,7 @@ def test_resume_continues_at_the_next_step_then_falls_back_past_a_damaged_checkp
     assert f"at step {step + 1}" in text
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 2))
     assert not _left_over(head_tag, WORKER_TITLES), "workers outlived the run"
-    assert refit_segments() <= segments
+    assert not leaked_refit_segments(segments)
 
     # Damage the newest checkpoint behind its intact COMPLETE marker.
     newest = run_dir / "checkpoints" / f"step_{step + 1:08d}"
@@ -194,4 +194,4 @@ def test_resume_continues_at_the_next_step_then_falls_back_past_a_damaged_checkp
     assert ended - hung_at < TIMEOUT_S + 20, f"ended {ended - hung_at:.1f}s after the hang began"
     assert not _left_over(tag), "the reward process or another process of the run is left"
     assert not _left_over(head_tag, WORKER_TITLES), "workers outlived the run"
-    assert refit_segments() <= segments, "refit segments left in /dev/shm"
+    assert not leaked_refit_segments(segments), "refit segments left in /dev/shm"
