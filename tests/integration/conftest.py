@@ -86,12 +86,38 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
 # Besides the table, every test that joins the Ray head (a trainer run) is `slow`.
 
 
+# ---------------------------------------------------------------------------- order
+# `make test` runs on 2 pytest-xdist workers, one file at a time each (`--dist loadfile`, with
+# xdist's own reordering by test count switched off). Files go out in collection order, so the
+# longest go first and the unit files fill the end: a long file that started last would run on
+# one worker while the other sat idle. Seconds per file, measured in `make test` on the 2-core
+# machine (2 workers, session 7; a file not listed is short and keeps its place among them).
+FILE_SECONDS = {
+    "test_async_e2e.py": 225, "test_context_parallel_grpo.py": 208, "test_slurm_train.py": 199,
+    "test_episodes_e2e.py": 182, "test_controller_faults.py": 180, "test_reliability.py": 164,
+    "test_controller_e2e.py": 163, "test_offline_e2e.py": 144, "test_real_model.py": 130,
+    "test_logprob_drift_e2e.py": 99, "test_sampled_distribution.py": 89,
+    "test_gpu_check_small.py": 88, "test_refit.py": 83, "test_moe_grpo_e2e.py": 82,
+    "test_controller_learning.py": 75, "test_resume_other_layout.py": 73,
+    "test_convert_cli.py": 64, "test_slurm_launch.py": 62, "test_layout_parity.py": 60,
+    "test_hf_parity.py": 52, "test_actor_engine.py": 49, "test_async_rollout.py": 47,
+    "test_moe_parity.py": 46, "test_dapo_e2e.py": 45, "test_moe_refit.py": 41,
+    "test_engine_state.py": 40, "test_episodes_vllm.py": 39, "test_multirank_harness.py": 37,
+    "test_context_parallel.py": 33, "test_rope_scaling_parity.py": 32,
+    "test_train_from_checkpoint.py": 31, "test_verify_bf16_checkpoint.py": 28,
+    "test_critic_reward.py": 27, "test_moe_replay.py": 24, "test_actor_loss_terms.py": 24,
+    "test_cpu_shims.py": 21, "test_vllm_rollout.py": 20, "test_conversion_memory.py": 20,
+}
+
+
 def _tier_reason(table: dict[str, str], item: pytest.Item) -> str | None:
     name = Path(str(item.fspath)).name
     return table.get(f"{name}::{item.originalname}", table.get(name))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Longest file first; the sort is stable, so a file's own tests keep their order.
+    items.sort(key=lambda item: -FILE_SECONDS.get(Path(str(item.fspath)).name, 0))
     for item in items:
         if _tier_reason(SYSTEM, item) is not None:
             item.add_marker(pytest.mark.system)
