@@ -46,11 +46,26 @@ class Cases:
     architectures: tuple[str, ...]
     layouts: tuple[Layout, ...]
     ranks: int
+    tied: tuple[str, ...] = ()  # architectures also run with tied input/output embeddings
 
     def __iter__(self) -> Iterator[tuple[str, Layout]]:
         return ((arch, layout) for arch in self.architectures for layout in self.layouts)
+
+    @property
+    def models(self) -> tuple[tuple[str, bool], ...]:
+        """(architecture, tied embeddings) of each model: an architecture, then its tied variant."""
+        return tuple((arch, tied) for arch in self.architectures for tied in (False, True)
+                     if not tied or arch in self.tied)
 
 
 # Refit into vLLM after an update: each way the trainer's weights are split on 2 ranks.
 REFIT = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
 MOE_REFIT = Cases(("Qwen3MoeForCausalLM",), (Layout(tp=2), Layout(pp=2), Layout(ep=2)), ranks=2)
+# Logits and grads against TP1/PP1, and the direct HF load and export, at every dense layout of 4
+# ranks: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k norm), and a tied Llama
+# (PP all-reduces the embedding grads). VPP=2 puts layers {0, 2} on stage 0 and {1, 3} on stage 1.
+PARITY = Cases(
+    ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    (Layout(), Layout(tp=2), Layout(pp=2), Layout(tp=2, pp=2), Layout(pp=2, vpp=2)),
+    ranks=4, tied=("LlamaForCausalLM",),
+)
