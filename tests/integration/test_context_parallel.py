@@ -4,7 +4,8 @@
    causal attention on the whole sequences: outputs and the q/k/v gradients (the backward
    reduce-scatters dK/dV).
 2. The actor engine at TP1/CP2, TP2/CP2 and CP2 x PP2 gives the log-probs and entropy of TP1/CP1
-   (1e-5, fp32); so do the critic's values. Rows of 13, 9, 11 and 6 tokens (none a multiple of
+   (1e-5, fp32), of each row's sampled distribution (temperatures 0.7/1.3/1.0/0.6, one row cut
+   by top-p 0.9, one by top-k 20); so do the critic's values. Rows of 13, 9, 11 and 6 tokens (none a multiple of
    2*cp = 4) in five micro-batchings: dense one row per micro-batch (each row padded at its end
    to a multiple of 4), dense two rows (the longer row's width padded), packed one row, packed
    all four rows in one sequence (each packed row padded to a multiple of 4: 16+12+12+8), and
@@ -42,7 +43,16 @@ WEIGHT_TOLERANCE = 1e-6
 ROW_LENGTHS = (13, 9, 11, 6)  # none a multiple of 2*cp = 4
 
 
-def _batch():
+# Each row's sampling settings (data/sampling.py): every engine pass divides the logits by the
+# row's temperature and replays its top-k/top-p cut; under CP the packed rows' per-position
+# settings are this rank's share of them (engines/actor.position_sampling), so CP must match CP1
+# with them too. TEMPERED_GAP: their effect on the log-probs must be seen (measured 0.87 nats).
+SAMPLING = {"temperature": (0.7, 1.3, 1.0, 0.6), "top_p": (1.0, 1.0, 0.9, 1.0),
+            "top_k": (-1, -1, -1, 20)}
+TEMPERED_GAP = 0.05
+
+
+def _batch(sampled: bool = True):
     from rlhf_megatron.data.batch import TokenBatch
 
     g = torch.Generator().manual_seed(3)
@@ -53,8 +63,13 @@ def _batch():
     loss_mask[:, :3] = 0  # the prompt
     old = torch.randn(ids.shape, generator=g) * 0.3 - 5.0
     advantages = torch.randn(ids.shape, generator=g)
-    return TokenBatch(ids * attn, attn, loss_mask).with_fields(
+    batch = TokenBatch(ids * attn, attn, loss_mask).with_fields(
         old_logprobs=old * loss_mask, advantages=advantages * loss_mask)
+    if not sampled:
+        return batch
+    return batch.with_fields(temperature=torch.tensor(SAMPLING["temperature"]),
+                             top_p=torch.tensor(SAMPLING["top_p"]),
+                             top_k=torch.tensor(SAMPLING["top_k"]))
 
 
 # ----------------------------------------------------------------------- 1. attention alone
@@ -111,6 +126,14 @@ def _values(engine, critic) -> dict[str, torch.Tensor]:
     for eng in (engine, critic):
         eng.config = plain
     return out
+
+
+def _tempered_gap(engine) -> float:
+    """Max |log-prob with the rows' sampling settings - without them| over the responses."""
+    batch = _batch()
+    tempered = engine.compute_logprobs(batch)["logprobs"]
+    plain = engine.compute_logprobs(_batch(sampled=False))["logprobs"]
+    return ((tempered - plain) * batch.loss_mask).abs().max().item()
 
 
 def _updates(engine, dims) -> tuple[list[dict], dict]:
@@ -179,6 +202,7 @@ def _context_parallel_job(hf_dir: str, ckpt_dir: str) -> dict:
         layout["scored"] = {n: float(v.abs().sum()) for n, v in values.items()}
         layout["pg_loss"] = [m["pg_loss"] for m in metrics]
         layout["moved"] = metrics[0]["moved"]
+        layout["tempered_gap"] = _tempered_gap(engine)
         layout["weights"] = _full_weights_diff(weights, reference["weights"], engine)
         layout["senders"] = senders
         result["layouts"][f"tp{tp}cp{cp}pp{pp}"] = layout
@@ -218,7 +242,8 @@ def test_cp_logprobs_entropy_values_and_update_equal_cp1(results):
     for layout, checks in results[-1]["layouts"].items():  # the last rank: a last stage
         worst = {kind: max(v for n, v in checks.items() if n.startswith(kind))
                  for kind in ("logprobs", "entropy", "values")}
-        print(f"{layout} vs tp1cp1pp1 (rank 3): {worst}, weights {checks['weights']:.2g}")
+        print(f"{layout} vs tp1cp1pp1 (rank 3): {worst}, weights {checks['weights']:.2g}, "
+              f"tempered vs untempered {checks['tempered_gap']:.2g}")
     for rank, per_rank in enumerate(results):
         for layout, checks in per_rank["layouts"].items():
             where = f"rank {rank} {layout}"
@@ -229,6 +254,7 @@ def test_cp_logprobs_entropy_values_and_update_equal_cp1(results):
             reference = per_rank["layouts"]["tp1cp1pp1"]
             assert checks["pg_loss"] == pytest.approx(reference["pg_loss"], abs=1e-6), where
             assert checks["moved"] > 1e-3, where  # the steps did move the weights
+            assert checks["tempered_gap"] > TEMPERED_GAP, f"{where}: {checks['tempered_gap']}"
 
 
 @pytest.mark.multirank
