@@ -69,3 +69,13 @@ PARITY = Cases(
     (Layout(), Layout(tp=2), Layout(pp=2), Layout(tp=2, pp=2), Layout(pp=2, vpp=2)),
     ranks=4, tied=("LlamaForCausalLM",),
 )
+# One engine against the one-rank layout on 2 ranks, each way a dense model is split: TP2, PP2,
+# DP2 (updates, log-probs and entropy: test_actor_engine; SDPA against Megatron's stock attention:
+# test_sdpa_attention); with PP2 x VPP2 for the log-prob parity walk.
+ENGINE = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2), Layout()), ranks=2)
+ENGINE_VPP = Cases(("Qwen2ForCausalLM",), (*ENGINE.layouts, Layout(pp=2, vpp=2)), ranks=2)
+SDPA = Cases(("LlamaForCausalLM",), ENGINE.layouts, ranks=2)
+# The critic's values and the reward model's scores against TP1 (test_critic_reward).
+CRITIC = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
+# Routing replay and the router metrics of a MoE actor (test_moe_replay).
+MOE_REPLAY = Cases(("Qwen3MoeForCausalLM",), (Layout(pp=2), Layout(ep=2)), ranks=2)

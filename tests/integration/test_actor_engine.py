@@ -8,17 +8,17 @@ import torch
 from engine_batches import padded_prompt_batch
 
 from rlhf_megatron.testing.hf_reference import hf_batch_logprobs, hf_model
+from rlhf_megatron.testing.layouts import ENGINE, ENGINE_VPP
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 TOLERANCE = 1e-5
-LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # on 2 ranks: TP2, PP2, DP2
-PARITY_LAYOUTS = [(2, 1, None), (1, 2, None), (1, 1, None), (1, 2, 2)]  # + PP2 x VPP2
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    return str(write_tiny_hf_checkpoint(tmp_path_factory.mktemp("actor") / "hf", "Qwen2ForCausalLM"))
+    return str(write_tiny_hf_checkpoint(tmp_path_factory.mktemp("actor") / "hf",
+                                        ENGINE.architectures[0]))
 
 
 def _batch(rows: int = 8, seq: int = 14):
@@ -39,11 +39,12 @@ def _logprob_parity_job(hf_dir: str) -> dict:
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig
-    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout, initialize_layout
 
     diffs = {}
-    for tp, pp, vpp in PARITY_LAYOUTS:
-        dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp, vpp=vpp)
+    for layout in ENGINE_VPP.layouts:
+        tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+        dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
         for packing in (False, True):
             # Packed runs also cut micro-batches by a token budget instead of by rows (except
@@ -68,7 +69,7 @@ def _logprob_parity_job(hf_dir: str) -> dict:
 def test_logprobs_and_entropy_match_hf_at_tp2_pp2_dp2(hf_dir):
     per_rank = run_on_ranks(_logprob_parity_job, 2, (hf_dir,), timeout_s=600)
     for diffs in per_rank:
-        assert len(diffs) == 2 * len(PARITY_LAYOUTS)
+        assert len(diffs) == 2 * len(ENGINE_VPP.layouts)
         for case, (lp, ent, scored) in diffs.items():
             assert scored > 0, case
             assert lp < TOLERANCE, f"{case}: logprobs differ by {lp}"
@@ -128,7 +129,8 @@ def _layout_update_job(hf_dir: str, aggregation: str, reference: dict) -> dict:
 
     worst = {}
     # Packing at TP2 and DP2; full activation recompute at PP2.
-    for (tp, pp), packing, recompute in zip(LAYOUTS, (True, False, True), (False, True, False)):
+    for layout, packing, recompute in zip(ENGINE.layouts, (True, False, True), (False, True, False)):
+        tp, pp = layout.tp, layout.pp
         weights, metrics, tp_rank, padded = _one_update(
             hf_dir, tp, pp, aggregation, packing, recompute
         )

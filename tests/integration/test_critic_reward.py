@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_megatron.testing.layouts import CRITIC
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint, write_tiny_hf_reward_model
 
 TOLERANCE = 1e-5
-LAYOUTS = [(2, 1), (1, 2)]
 HIDDEN = 128  # write_tiny_hf_checkpoint's hidden size: each value is a 128-term dot product
 FP32_EPS = torch.finfo(torch.float32).eps  # 1.19e-7
 
@@ -123,12 +123,13 @@ def _value_job(lm_dir: str, rm_dir: str, reference: dict) -> dict:
 
     from rlhf_megatron.engines import EngineConfig
     from rlhf_megatron.engines.critic import CriticEngine, RewardModelEngine
-    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout, initialize_layout
 
     batch = _batch()
     out = {}
-    for tp, pp in LAYOUTS:
-        dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp)
+    for layout in CRITIC.layouts:
+        tp, pp = layout.tp, layout.pp
+        dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
         rm = RewardModelEngine(EngineConfig(micro_batch_size=2), hf_dir=rm_dir, dims=dims)
         scores = rm.score(batch)
@@ -157,8 +158,9 @@ def _value_job(lm_dir: str, rm_dir: str, reference: dict) -> dict:
 
 @pytest.mark.multirank
 def test_critic_values_and_reward_scores_match_references(tmp_path):
-    lm_dir = write_tiny_hf_checkpoint(tmp_path / "lm", "Qwen2ForCausalLM")
-    rm_dir = write_tiny_hf_reward_model(tmp_path / "rm", "Qwen2ForCausalLM", seed=4)
+    (architecture,) = CRITIC.architectures
+    lm_dir = write_tiny_hf_checkpoint(tmp_path / "lm", architecture)
+    rm_dir = write_tiny_hf_reward_model(tmp_path / "rm", architecture, seed=4)
     (reference,) = run_on_ranks(_reference_critic_job, 1, (str(lm_dir),), timeout_s=300)
     per_rank = run_on_ranks(_value_job, 2, (str(lm_dir), str(rm_dir), reference), timeout_s=600)
     # The TP1 step is not a no-op: it moved the values far more than the tolerance.

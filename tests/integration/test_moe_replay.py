@@ -17,10 +17,10 @@ import dataclasses
 import pytest
 import torch
 
+from rlhf_megatron.testing.layouts import MOE_REPLAY
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-LAYOUTS = [{"pp": 2}, {"ep": 2}]
 AUX_COEFF = 0.1
 
 
@@ -64,12 +64,12 @@ def _replay_job(hf_dir: str) -> list[dict]:
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
     from rlhf_megatron.engines.actor import PolicyUpdateSettings
-    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout, initialize_layout
 
     batch = _batch()
     results = []
-    for layout in LAYOUTS:
-        dims = ParallelDims(dist.get_world_size(), **layout)
+    for layout in MOE_REPLAY.layouts:
+        dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
         config = EngineConfig(micro_batch_size=2, routing_replay=True,
                               moe_aux_loss_coeff=AUX_COEFF,
@@ -89,7 +89,7 @@ def _replay_job(hf_dir: str) -> list[dict]:
 
 @pytest.mark.multirank
 def test_routing_replay_and_router_metrics(tmp_path):
-    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3MoeForCausalLM"))
+    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", MOE_REPLAY.architectures[0]))
     batch = _batch()
     expected_topk, expected_aux = _hand_computed(hf_dir, batch)
     per_rank = run_on_ranks(_replay_job, 2, (hf_dir,), timeout_s=600)

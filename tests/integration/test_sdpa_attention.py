@@ -21,11 +21,11 @@ import os
 import pytest
 import torch
 
+from rlhf_megatron.testing.layouts import SDPA
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 TOLERANCE = 1e-5
-LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp) on 2 ranks: TP2, PP2, DP2
 ROWS, SEQ = 4, 24
 
 
@@ -152,11 +152,12 @@ def _vocab_padding_check() -> dict:
 
 
 def _parity_job(hf_dir: str) -> dict:
-    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout, initialize_layout
 
     results = {}
-    for tp, pp in LAYOUTS:
-        dims = ParallelDims(2, tp=tp, pp=pp)
+    for layout in SDPA.layouts:
+        tp, pp = layout.tp, layout.pp
+        dims = layout.dims(2)
         initialize_layout(dims, seed=3)
         for packing in (False, True):
             stock = _forward_backward(hf_dir, dims, "megatron", packing)
@@ -173,14 +174,14 @@ def _parity_job(hf_dir: str) -> dict:
 @pytest.mark.multirank
 def test_sdpa_local_spec_matches_megatron_stock_spec(tmp_path):
     # Llama with GQA (4 query heads over 2 KV heads, 1 of each per rank at TP2).
-    hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "LlamaForCausalLM", num_layers=2)
+    hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", SDPA.architectures[0], num_layers=2)
     per_rank = run_on_ranks(_parity_job, 2, (str(hf_dir),), timeout_s=600)
     for rank, results in enumerate(per_rank):
         assert results.pop("dropout") == {"eval_is_exact": True, "train_drops": True,
                                           "train_draws_differ": True}, rank
         padding = results.pop("vocab_padding")
         assert max(padding.values()) < TOLERANCE, (rank, padding)
-        assert len(results) == 2 * len(LAYOUTS)
+        assert len(results) == 2 * len(SDPA.layouts)
         for case, r in results.items():
             where = f"rank {rank} {case}: {r}"
             stock = ("DotProductAttention", "MLP", "ColumnParallelLinear")
