@@ -79,3 +79,10 @@ SDPA = Cases(("LlamaForCausalLM",), ENGINE.layouts, ranks=2)
 CRITIC = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
 # Routing replay and the router metrics of a MoE actor (test_moe_replay).
 MOE_REPLAY = Cases(("Qwen3MoeForCausalLM",), (Layout(pp=2), Layout(ep=2)), ranks=2)
+# MoE logits against HF, gradients against TP1/PP1/EP1, and which experts each rank reads, at
+# every layout of 4 ranks with TP, PP and EP (test_moe_parity).
+MOE_PARITY = Cases(
+    ("Qwen3MoeForCausalLM", "MixtralForCausalLM"),
+    (Layout(), Layout(ep=2), Layout(tp=2), Layout(pp=2), Layout(pp=2, ep=2), Layout(tp=2, ep=2)),
+    ranks=4,
+)

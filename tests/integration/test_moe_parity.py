@@ -15,13 +15,12 @@ import re
 import pytest
 import torch
 
+from rlhf_megatron.testing.layouts import MOE_PARITY
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-WORLD_SIZE = 4
+WORLD_SIZE = MOE_PARITY.ranks
 # (tp, pp, ep); dp = 4 // (tp * pp), ep divides dp. The first is the gradient reference.
-LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1), (1, 2, 2), (2, 1, 2)]
-ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 GLOBAL_BATCH, SEQ_LEN, MICRO_BATCH = 8, 16, 1
 LOGIT_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-6
@@ -140,8 +139,9 @@ def _hf_logits(hf_dir: str) -> torch.Tensor:
 
 def _run_all(hf_dirs: list[str]) -> dict:
     return {
-        (arch_dir, layout): _check_layout(arch_dir, *layout, _hf_logits(arch_dir))
-        for arch_dir in hf_dirs for layout in LAYOUTS
+        (arch_dir, layout.name): _check_layout(arch_dir, layout.tp, layout.pp, layout.ep,
+                                               _hf_logits(arch_dir))
+        for arch_dir in hf_dirs for layout in MOE_PARITY.layouts
     }
 
 
@@ -165,13 +165,13 @@ def _tp_shard(full: torch.Tensor, like: torch.Tensor, name: str, tp: int, rank: 
 
 @pytest.mark.multirank
 def test_moe_logits_grads_and_expert_reads_at_every_layout(tmp_path):
-    dirs = [str(write_tiny_hf_checkpoint(tmp_path / arch, arch)) for arch in ARCHITECTURES]
+    dirs = [str(write_tiny_hf_checkpoint(tmp_path / arch, arch)) for arch in MOE_PARITY.architectures]
     per_rank = run_on_ranks(_run_all, WORLD_SIZE, (dirs,), timeout_s=600)
     for arch_dir in dirs:
-        reference = per_rank[0][(arch_dir, LAYOUTS[0])]["grads"]
-        for layout in LAYOUTS:
-            tp, pp, ep = layout
-            results = [rank[(arch_dir, layout)] for rank in per_rank]
+        reference = per_rank[0][(arch_dir, MOE_PARITY.layouts[0].name)]["grads"]
+        for layout in MOE_PARITY.layouts:
+            tp, ep = layout.tp, layout.ep
+            results = [rank[(arch_dir, layout.name)] for rank in per_rank]
             logits = [r["logits"] for r in results if r["logits"] is not None]
             assert logits and max(logits) < LOGIT_TOLERANCE, (arch_dir, layout, logits)
             for r in results:
