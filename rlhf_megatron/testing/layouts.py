@@ -86,3 +86,10 @@ MOE_PARITY = Cases(
     (Layout(), Layout(ep=2), Layout(tp=2), Layout(pp=2), Layout(pp=2, ep=2), Layout(tp=2, ep=2)),
     ranks=4,
 )
+# Context parallelism against CP1 on 4 ranks: CP2 alone, with TP2 and with PP2
+# (test_context_parallel: log-probs, entropy, values, updates, refit senders, checkpoints).
+CONTEXT_PARALLEL = Cases(
+    ("Qwen2ForCausalLM",),
+    (Layout(), Layout(cp=2), Layout(tp=2, cp=2), Layout(cp=2, pp=2)),
+    ranks=4,
+)

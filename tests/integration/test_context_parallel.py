@@ -23,11 +23,11 @@ import dataclasses
 import pytest
 import torch
 
+from rlhf_megatron.testing.layouts import CONTEXT_PARALLEL
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-WORLD = 4
-LAYOUTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2)]  # (tp, cp, pp); dp = 4 // (tp * cp * pp)
+WORLD = CONTEXT_PARALLEL.ranks
 # World ranks that send at refit (TP rank 0, DP x CP rank 0, one per pipeline stage).
 SENDERS = {1: [True, False, False, False], 2: [True, False, True, False]}
 # (name, engine settings): how the rows are cut into micro-batches and laid out.
@@ -185,8 +185,9 @@ def _context_parallel_job(hf_dir: str, ckpt_dir: str) -> dict:
 
     result = {"attention": _attention_errors(), "layouts": {}}
     reference = None
-    for tp, cp, pp in LAYOUTS:
-        dims = ParallelDims(WORLD, tp=tp, cp=cp, pp=pp)
+    for layout in CONTEXT_PARALLEL.layouts:
+        tp, cp, pp = layout.tp, layout.cp, layout.pp
+        dims = layout.dims(WORLD)
         initialize_layout(dims)
         engine = ActorEngine(_engine_config(False), hf_dir=hf_dir, dims=dims)
         critic = CriticEngine(_engine_config(False), hf_dir=hf_dir, dims=dims)
@@ -225,7 +226,7 @@ def _context_parallel_job(hf_dir: str, ckpt_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    hf_dir = str(write_tiny_hf_checkpoint(root / "hf", "Qwen2ForCausalLM"))
+    hf_dir = str(write_tiny_hf_checkpoint(root / "hf", CONTEXT_PARALLEL.architectures[0]))
     return run_on_ranks(_context_parallel_job, WORLD, (hf_dir, str(root / "ckpt")),
                         timeout_s=600)
 
