@@ -93,3 +93,6 @@ CONTEXT_PARALLEL = Cases(
     (Layout(), Layout(cp=2), Layout(tp=2, cp=2), Layout(cp=2, pp=2)),
     ranks=4,
 )
+# One SGD step with each loss term against a hand-written reference, on 2 ranks: TP2 (dense
+# micro-batches) and PP2 (packed), test_actor_loss_terms.
+LOSS_TERMS = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)

@@ -22,6 +22,7 @@ import pytest
 import torch
 from engine_batches import padded_prompt_batch
 
+from rlhf_megatron.testing.layouts import LOSS_TERMS
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -35,7 +36,7 @@ TERM_MATTERS = 100 * WEIGHT_TOLERANCE  # dropping a term must move some weight b
 LR = 0.5
 MICRO_BATCH = 2
 CLIP, DUAL_CLIP = 0.2, 3.0
-LAYOUTS = [(2, 1, False), (1, 2, True)]  # (tp, pp, packing) on 2 ranks
+PACKING = (False, True)  # per LOSS_TERMS layout: dense at TP2, packed at PP2
 
 # name -> PolicyUpdateSettings fields (+ tis_cap for PolicyLossConfig).
 CASES = {
@@ -245,12 +246,13 @@ def _engine_job(hf_dir: str, batch, cases: dict) -> dict:
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.parallel import ParallelDims, destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout, initialize_layout
     from rlhf_megatron.refit import iter_hf_tensors
 
     out = {}
-    for tp, pp, packing in LAYOUTS:
-        dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp)
+    for layout, packing in zip(LOSS_TERMS.layouts, PACKING, strict=True):
+        tp, pp = layout.tp, layout.pp
+        dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
         # SGD without clipping: the new weights are w - LR * grad, exactly as in the reference.
         config = EngineConfig(micro_batch_size=MICRO_BATCH, use_packing=packing,
@@ -268,7 +270,8 @@ def _engine_job(hf_dir: str, batch, cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
-    return str(write_tiny_hf_checkpoint(tmp_path_factory.mktemp("terms") / "hf", "Qwen2ForCausalLM"))
+    return str(write_tiny_hf_checkpoint(tmp_path_factory.mktemp("terms") / "hf",
+                                        LOSS_TERMS.architectures[0]))
 
 
 @pytest.fixture(scope="module")
