@@ -96,3 +96,6 @@ CONTEXT_PARALLEL = Cases(
 # One SGD step with each loss term against a hand-written reference, on 2 ranks: TP2 (dense
 # micro-batches) and PP2 (packed), test_actor_loss_terms.
 LOSS_TERMS = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
+# `verify` of a deep bf16 checkpoint (24 layers, GQA, tied embeddings) at one rank, TP2 and PP2
+# (test_verify_bf16_checkpoint: the one-rank layout runs in the test's process).
+VERIFY_BF16 = Cases(("LlamaForCausalLM",), (Layout(), Layout(tp=2), Layout(pp=2)), ranks=2)

@@ -32,13 +32,15 @@ from checkpoint_tools.verify import (
     verify_tokens,
 )
 from rlhf_megatron.testing.damage import conversion_damages, damaged_copy
+from rlhf_megatron.testing.layouts import VERIFY_BF16
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 LAYERS, HEAD_DIM = 24, 32
 LENGTHS = (128, 512, 2048)
 DAMAGE_AT = 512  # tokens the planted errors are judged at
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+ONE_RANK, *TWO_RANKS = VERIFY_BF16.layouts
+LAYOUTS = [layout.name for layout in VERIFY_BF16.layouts]
 DAMAGES = conversion_damages(k_layer=12, mid_layer=12, layers=LAYERS, head_dim=HEAD_DIM)
 
 
@@ -46,7 +48,7 @@ DAMAGES = conversion_damages(k_layer=12, mid_layer=12, layers=LAYERS, head_dim=H
 def converted(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("verify_bf16")
     hf_dir = write_tiny_hf_checkpoint(
-        root / "hf", "LlamaForCausalLM", tie_word_embeddings=True, dtype=torch.bfloat16,
+        root / "hf", VERIFY_BF16.architectures[0], tie_word_embeddings=True, dtype=torch.bfloat16,
         num_layers=LAYERS, hidden_size=96, intermediate_size=192, num_attention_heads=6,
         num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=max(LENGTHS))
     assert main(["hf-to-mcore", "--hf", str(hf_dir), "--out", str(root / "ckpt"), "--quiet",
@@ -64,11 +66,11 @@ def _tokens(ckpt: Path) -> dict[int, torch.Tensor]:
 def _two_rank_layouts_job(ckpt: str, tokens: dict[int, torch.Tensor]) -> dict:
     """TP2 then PP2 on the same two ranks: Megatron's fp32 logits per layout and length."""
     out = {}
-    for name, (tp, pp) in [("tp2", LAYOUTS["tp2"]), ("pp2", LAYOUTS["pp2"])]:
+    for layout in TWO_RANKS:
         for length, ids in tokens.items():
-            logits = megatron_logits_on_this_rank(ckpt, tp, pp, ids)
+            logits = megatron_logits_on_this_rank(ckpt, layout.tp, layout.pp, ids)
             if logits is not None:
-                out[(name, length)] = logits
+                out[(layout.name, length)] = logits
     return out
 
 
@@ -78,11 +80,12 @@ def megatron(converted) -> dict:
     _, ckpt = converted
     tokens = _tokens(ckpt)
     logits: dict = {}
-    for per_rank in run_on_ranks(_two_rank_layouts_job, 2, (str(ckpt), tokens), timeout_s=600):
+    for per_rank in run_on_ranks(_two_rank_layouts_job, VERIFY_BF16.ranks, (str(ckpt), tokens),
+                                 timeout_s=600):
         logits.update(per_rank)
     with process_group_of_one():
         for length, ids in tokens.items():
-            logits[("tp1", length)] = megatron_logits_on_this_rank(str(ckpt), 1, 1, ids)
+            logits[(ONE_RANK.name, length)] = megatron_logits_on_this_rank(str(ckpt), 1, 1, ids)
         logits[("tp1-bf16", DAMAGE_AT)] = megatron_logits_on_this_rank(
             str(ckpt), 1, 1, tokens[DAMAGE_AT], "bf16")
     return logits
@@ -109,7 +112,7 @@ def test_each_planted_error_fails_at_every_layout_and_in_bf16_mode(converted, me
         # Far above the floor, not at its edge: the weakest (k_proj) moves ~20x the tolerance.
         assert result.max_logprob_diff > 5 * result.logprob_tolerance, (layout, result.summary())
         assert not result.ok, (layout, result.summary())
-    both = judge(reference, {"fp32": megatron[("tp1", DAMAGE_AT)],
+    both = judge(reference, {"fp32": megatron[(ONE_RANK.name, DAMAGE_AT)],
                              "bf16": megatron[("tp1-bf16", DAMAGE_AT)]})
     assert both.dtype_check is not None and not both.ok, both.summary()
 
