@@ -127,6 +127,27 @@ def _init_and_build(dims, skip: list[str], *, tied: bool = False):
     return args, build_model_chunks(args)
 
 
+def _load_hf_weights(chunks, args):
+    """An HF transformers model built from SEED (the same weights on every rank), loaded into
+    this rank's `chunks`; returns the HF model (the reference forward of the same weights)."""
+    import safetensors.torch
+    import transformers
+
+    from rlhf_megatron.models.hf_load import load_hf_into_model
+    from rlhf_megatron.testing.tiny_models import tiny_hf_config
+
+    torch.manual_seed(SEED)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, num_layers=2), dtype=torch.float32
+    )
+    with tempfile.TemporaryDirectory() as hf_dir:
+        # Written by hand: save_pretrained writes nothing on a torch.distributed rank other than 0.
+        hf_model.config.save_pretrained(hf_dir)
+        safetensors.torch.save_file(hf_model.state_dict(), os.path.join(hf_dir, "model.safetensors"))
+        load_hf_into_model(chunks, hf_dir, args)
+    return hf_model
+
+
 def _batch(batch: int, seed: int = 7) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, SEQ_LEN + 1), generator=generator)
@@ -185,19 +206,8 @@ def _scenario_rng_tracker(skip: list[str]) -> dict:
 def _scenario_forward(skip: list[str]) -> dict:
     """A plain TP1/PP1 forward (RoPE frequencies and attention buffers) of HF weights, and
     HF transformers' logits for the same weights and tokens."""
-    import transformers
-
-    from rlhf_megatron.models.hf_load import load_hf_into_model
-    from rlhf_megatron.testing.tiny_models import tiny_hf_config
-
     args, (model,) = _init_and_build(_one_rank_dims(), skip)
-    torch.manual_seed(SEED)
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, num_layers=2), dtype=torch.float32
-    )
-    with tempfile.TemporaryDirectory() as hf_dir:
-        hf_model.save_pretrained(hf_dir, safe_serialization=True)
-        load_hf_into_model([model], hf_dir, args)
+    hf_model = _load_hf_weights([model], args)
     tokens = _batch(2)[:, :-1]
     positions = torch.arange(SEQ_LEN).expand(tokens.shape[0], -1)
     with torch.no_grad():
@@ -369,11 +379,34 @@ def _pp2_dims():
     return ParallelDims(2, pp=2)
 
 
+# Gradients vs HF's, relative to the largest HF gradient: fp32 eps (1.2e-7) x ~100 differently
+# ordered roundings (each gradient sums 16 tokens' contributions back through 128-wide matmuls
+# and RMSNorms, fused QKV vs HF's separate projections) ~ 1e-5; measured 2.7e-7.
+GRAD_TOL = 1e-5
+# Megatron parameter (local to its stage; {layer}: the stage's local layer 0) -> the HF parameter
+# (global layer {offset}) whose gradient it must equal.
+GRAD_PAIRS = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.layers.0.self_attention.linear_proj.weight": "model.layers.{offset}.self_attn.o_proj.weight",
+    "decoder.layers.0.mlp.linear_fc2.weight": "model.layers.{offset}.mlp.down_proj.weight",
+    "decoder.layers.0.input_layernorm.weight": "model.layers.{offset}.input_layernorm.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+
+
 def _scenario_pipeline(skip: list[str]) -> dict:
-    """Forward/backward through the 1F1B schedule over gloo p2p at PP=2 (2 micro-batches)."""
+    """Forward/backward through the 1F1B schedule over gloo p2p at PP=2 (2 micro-batches) of HF
+    weights, and, as the reference without pipeline parallelism, HF transformers' losses of the
+    same micro-batches and the gradients of their mean (the schedule divides each micro-batch's
+    loss by num_microbatches)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    _, chunks = _init_and_build(_pp2_dims(), skip)
+    from rlhf_megatron.models.megatron_layout import layer_offset_of
+
+    args, chunks = _init_and_build(_pp2_dims(), skip)
+    hf_model = _load_hf_weights(chunks, args)
+    micro_batches = list(_batch(2).split(1))
     losses = []
 
     def forward_step(data_iterator, model):
@@ -391,7 +424,7 @@ def _scenario_pipeline(skip: list[str]) -> dict:
 
     get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(list(_batch(2).split(1))),
+        data_iterator=iter(micro_batches),
         model=chunks,
         num_microbatches=2,
         seq_length=SEQ_LEN,
@@ -399,11 +432,25 @@ def _scenario_pipeline(skip: list[str]) -> dict:
         forward_only=False,
     )
     grads = [p.grad for p in chunks[0].parameters()]
+    reference = [_loss(hf_model(m[:, :-1]).logits, m[:, 1:]) for m in micro_batches]
+    (sum(reference) / len(reference)).backward()
+    hf_params = dict(hf_model.named_parameters())
+    offset = layer_offset_of(chunks[0])
+    grad_diffs, grad_scale = {}, 0.0
+    for name, param in chunks[0].named_parameters():
+        if name in GRAD_PAIRS and param.grad is not None:
+            expected = hf_params[GRAD_PAIRS[name].format(offset=offset)].grad
+            got = param.grad[: expected.shape[0]]  # output_layer: the vocabulary padding rows
+            grad_diffs[name] = (got - expected).abs().max().item()
+            grad_scale = max(grad_scale, expected.abs().max().item())
     return {
         "losses": losses,
+        "reference_losses": [loss.item() for loss in reference],
         "all_params_have_grads": all(g is not None for g in grads),
         "grads_finite_nonzero": all(g is not None and torch.isfinite(g).all() for g in grads)
         and any(g is not None and g.abs().sum() > 0 for g in grads),
+        "grad_max_diff_vs_hf": grad_diffs,
+        "grad_scale": grad_scale,
     }
 
 
@@ -426,17 +473,26 @@ def _scenario_tied(skip: list[str]) -> dict:
 
 
 def _scenario_context_parallel(skip: list[str]) -> dict:
-    """A dense forward at CP=2: RoPE picks this CP rank's chunks of the positions."""
+    """A dense forward of HF weights at CP=2: RoPE picks this CP rank's chunks of the positions;
+    the reference is HF transformers' full-sequence logits at this rank's positions."""
     from rlhf_megatron.data.packing import cp_token_indices
     from rlhf_megatron.parallel import ParallelDims
 
-    _, (model,) = _init_and_build(ParallelDims(2, cp=2), skip)
+    args, (model,) = _init_and_build(ParallelDims(2, cp=2), skip)
+    hf_model = _load_hf_weights([model], args)
     from megatron.core import parallel_state
 
     index = cp_token_indices([SEQ_LEN], 2, parallel_state.get_context_parallel_rank())
-    tokens = _batch(1)[:, :-1][:, index]
-    logits = model(tokens, index.expand(1, -1), None)
-    return {"finite": bool(torch.isfinite(logits).all())}
+    full = _batch(1)[:, :-1]
+    with torch.no_grad():
+        logits = model(full[:, index], index.expand(1, -1), None)
+        reference = hf_model(full).logits[:, index]
+    return {
+        "finite": bool(torch.isfinite(logits).all()),
+        "positions": index.tolist(),
+        "max_logit_diff": (logits[..., :VOCAB] - reference).abs().max().item(),
+        "logit_scale": reference.abs().max().item(),
+    }
 
 
 TWO_RANK_SCENARIOS = {
@@ -451,7 +507,9 @@ def _two_rank_job() -> dict:
     results = {}
     for shim, scenario in TWO_RANK_SCENARIOS.items():
         results[(shim, "skipped")] = _run_scenario(functools.partial(scenario, [shim]), [shim])
-    for name, scenario in {"pipeline": _scenario_pipeline, "tied": _scenario_tied}.items():
+    all_shims = {"pipeline": _scenario_pipeline, "tied": _scenario_tied,
+                 "cp": _scenario_context_parallel}
+    for name, scenario in all_shims.items():
         results[(name, "all")] = _run_scenario(functools.partial(scenario, []), [])
     return results
 
@@ -587,6 +645,33 @@ def test_pp2_schedule_trains_with_shims(two_rank_results):
     assert all(math.isfinite(loss) for loss in last["losses"])
     for value in (first, last):  # backward reached every parameter of both stages
         assert value["all_params_have_grads"] and value["grads_finite_nonzero"], value
+    # The PP=2 losses are HF's losses of the same weights and micro-batches (no pipeline). Both
+    # are fp32: the logits agree to < 1e-5 (test_forward_with_shims_equals_hf_logits; PP's p2p
+    # sends fp32 activations unchanged) and |d loss| <= 2 max |d logit| (the gradient of
+    # -log_softmax has L1 norm <= 2), so 2e-5 bounds it; measured 0 (bit-identical).
+    assert max(abs(a - b) for a, b in zip(last["losses"], last["reference_losses"],
+                                          strict=True)) < 2e-5, last
+    # The gradients of the mean loss equal HF's on each stage's parameters: the embedding and its
+    # layer on the first stage, its layer, the final norm and the output layer on the last.
+    assert sorted(first["grad_max_diff_vs_hf"]) == sorted(
+        n for n in GRAD_PAIRS if n.startswith("decoder.layers.") or n.startswith("embedding."))
+    assert sorted(last["grad_max_diff_vs_hf"]) == sorted(
+        n for n in GRAD_PAIRS if n.startswith("decoder.") or n.startswith("output_layer."))
+    for value in (first, last):
+        assert value["grad_scale"] > 1e-3, value  # the gradients are not trivially small
+        assert max(value["grad_max_diff_vs_hf"].values()) < GRAD_TOL * value["grad_scale"], value
+
+
+def test_cp2_logits_equal_hf_full_sequence_logits(two_rank_results):
+    values = [_assert_ok(r[("cp", "all")], f"cp rank {i}") for i, r in enumerate(two_rank_results)]
+    # Rank r holds chunks r and 3 - r of the 4 chunks of the sequence: together all positions.
+    assert [v["positions"] for v in values] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    for value in values:
+        assert value["finite"], value
+        # This rank's CP=2 logits are HF's full-sequence logits at its positions (fp32, as in
+        # test_forward_with_shims_equals_hf_logits; CP exchanges K/V in fp32).
+        assert value["logit_scale"] > 0.1, value
+        assert value["max_logit_diff"] < 1e-5, value  # measured 1.1e-6
 
 
 def test_pp2_tied_output_layer_equals_embedding(two_rank_results):
