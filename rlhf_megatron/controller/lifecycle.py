@@ -142,7 +142,8 @@ def _worker_log(pid: int) -> str | None:
 
 
 # ------------------------------------------------------------------------------ shared memory
-def _segment_pid(path: Path) -> int | None:
+def segment_pid(path: Path) -> int | None:
+    """The pid of the process that created refit segment `path` (in its name); None if not ours."""
     match = re.match(rf"^{SEGMENT_PREFIX}(\d+)_", path.name)
     return int(match.group(1)) if match else None
 
@@ -152,7 +153,7 @@ def remove_refit_segments(pids: Iterable[int], directory: Path = SHM_DIR) -> lis
     wanted = set(pids)
     removed = []
     for path in directory.glob(f"{SEGMENT_PREFIX}*"):
-        if _segment_pid(path) in wanted:
+        if segment_pid(path) in wanted:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
@@ -162,7 +163,7 @@ def remove_orphan_segments(directory: Path = SHM_DIR) -> list[Path]:
     """Unlink our refit segments whose creating process no longer exists."""
     removed = []
     for path in directory.glob(f"{SEGMENT_PREFIX}*"):
-        pid = _segment_pid(path)
+        pid = segment_pid(path)
         try:
             if pid is None or path.stat().st_uid != os.getuid() or _alive(pid):
                 continue

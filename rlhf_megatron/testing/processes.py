@@ -5,10 +5,9 @@ its refit shared-memory segments."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
-from rlhf_megatron.controller.lifecycle import SEGMENT_PREFIX
+from rlhf_megatron.controller.lifecycle import SEGMENT_PREFIX, segment_pid
 
 
 def refit_segments() -> set[str]:
@@ -20,12 +19,8 @@ def leaked_refit_segments(before: set[str]) -> set[str]:
     """The refit segments not in `before` whose creating process (the pid in the name) is gone:
     what a run that has ended left behind. A live process's segments are not counted, so a run
     of another test going on at the same time (pytest-xdist) does not make this fail."""
-    leaked = set()
-    for name in refit_segments() - before:
-        match = re.match(rf"^{SEGMENT_PREFIX}(\d+)_", name)
-        if match is None or not is_alive(int(match.group(1))):
-            leaked.add(name)
-    return leaked
+    return {name for name in refit_segments() - before
+            if (pid := segment_pid(Path(name))) is None or not is_alive(pid)}
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
