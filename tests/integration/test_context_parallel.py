@@ -46,7 +46,7 @@ ROW_LENGTHS = (13, 9, 11, 6)  # none a multiple of 2*cp = 4
 # Each row's sampling settings (data/sampling.py): every engine pass divides the logits by the
 # row's temperature and replays its top-k/top-p cut; under CP the packed rows' per-position
 # settings are this rank's share of them (engines/actor.position_sampling), so CP must match CP1
-# with them too. TEMPERED_GAP: their effect on the log-probs must be seen (measured 0.87 nats).
+# with them too. TEMPERED_GAP: their effect on the log-probs must be seen (measured ~1.0 nats).
 SAMPLING = {"temperature": (0.7, 1.3, 1.0, 0.6), "top_p": (1.0, 1.0, 0.9, 1.0),
             "top_k": (-1, -1, -1, 20)}
 TEMPERED_GAP = 0.05
@@ -128,12 +128,12 @@ def _values(engine, critic) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tempered_gap(engine) -> float:
-    """Max |log-prob with the rows' sampling settings - without them| over the responses."""
-    batch = _batch()
-    tempered = engine.compute_logprobs(batch)["logprobs"]
-    plain = engine.compute_logprobs(_batch(sampled=False))["logprobs"]
-    return ((tempered - plain) * batch.loss_mask).abs().max().item()
+def _tempered_gap(engine, tempered: torch.Tensor) -> float:
+    """Max |`tempered` log-probs (the rows' sampling settings) - those without the settings| over
+    the responses, at the engine's plain config (one row per micro-batch, as `dense1`)."""
+    plain = _batch(sampled=False)
+    untempered = engine.compute_logprobs(plain)["logprobs"]
+    return ((tempered - untempered) * plain.loss_mask).abs().max().item()
 
 
 def _updates(engine, dims) -> tuple[list[dict], dict]:
@@ -192,6 +192,7 @@ def _context_parallel_job(hf_dir: str, ckpt_dir: str) -> dict:
         engine = ActorEngine(_engine_config(False), hf_dir=hf_dir, dims=dims)
         critic = CriticEngine(_engine_config(False), hf_dir=hf_dir, dims=dims)
         values = _values(engine, critic)
+        tempered_gap = _tempered_gap(engine, values["logprobs_dense1"])
         metrics, weights = _updates(engine, dims)
         senders = [None] * WORLD
         dist.all_gather_object(senders, is_stage_sender())
@@ -203,7 +204,7 @@ def _context_parallel_job(hf_dir: str, ckpt_dir: str) -> dict:
         layout["scored"] = {n: float(v.abs().sum()) for n, v in values.items()}
         layout["pg_loss"] = [m["pg_loss"] for m in metrics]
         layout["moved"] = metrics[0]["moved"]
-        layout["tempered_gap"] = _tempered_gap(engine)
+        layout["tempered_gap"] = tempered_gap
         layout["weights"] = _full_weights_diff(weights, reference["weights"], engine)
         layout["senders"] = senders
         result["layouts"][f"tp{tp}cp{cp}pp{pp}"] = layout
