@@ -5,6 +5,7 @@ its refit shared-memory segments."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from rlhf_megatron.controller.lifecycle import SEGMENT_PREFIX, segment_pid
@@ -15,12 +16,19 @@ def refit_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")}
 
 
-def leaked_refit_segments(before: set[str]) -> set[str]:
+def leaked_refit_segments(before: set[str], grace_s: float = 60.0) -> set[str]:
     """The refit segments not in `before` whose creating process (the pid in the name) is gone:
-    what a run that has ended left behind. A live process's segments are not counted, so a run
-    of another test going on at the same time (pytest-xdist) does not make this fail."""
-    return {name for name in refit_segments() - before
-            if (pid := segment_pid(Path(name))) is None or not is_alive(pid)}
+    what a run that has ended left behind. A live process's segments are not counted, and a dead
+    one's are given `grace_s` to go: under pytest-xdist another test's run may have just lost a
+    worker whose segments its driver is about to unlink (kill -9 skips the worker's own cleanup);
+    nothing unlinks a segment this run leaked, so that one is still there at the deadline."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        leaked = {name for name in refit_segments() - before
+                  if (pid := segment_pid(Path(name))) is None or not is_alive(pid)}
+        if not leaked or time.monotonic() > deadline:
+            return leaked
+        time.sleep(0.5)
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
