@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from rlhf_megatron.config import DevicePlan, TrainConfig
 from rlhf_megatron.config.roles import megatron_roles
+from rlhf_megatron.controller.async_stream import buffer_capacity
 from rlhf_megatron.controller.facades import (
     ActorGroup,
     CriticGroup,
@@ -90,8 +91,6 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
     rollout_config = cfg.rollout.engine
     rollout_class, extra = rollout_worker_class(cfg), ()
     if rollout_class is not RolloutWorker:
-        from rlhf_megatron.controller.async_loop import buffer_capacity
-
         extra = (buffer_capacity(cfg),)
     groups["rollout"] = WorkerGroup.create(
         "rollout", rollout_class, pools[plan.role_pool["rollout"]],

@@ -11,7 +11,7 @@ Each phase talks to the workers through the typed group facades (controller/faca
     batch, m = compute_advantages_phase(run, batch, scores.result())     # rewards, KL, advantages
     m = update_critic(run, batch);  m = update_actor(run, batch)
     m = refit(run, version)                                              # actor -> vLLM weights
-The loop itself is in controller/trainer.py.
+The loop itself is in controller/loop.py, the batch's sources in sources.py.
 """
 
 from __future__ import annotations
@@ -69,14 +69,11 @@ class Run:
     """Built by the first check_logprob_drift (rollout.max_logprob_diff, on_logprob_drift)."""
 
 
-class _Done:
-    """A finished Future-like value (reward-model scores are computed synchronously)."""
-
-    def __init__(self, value: torch.Tensor) -> None:
-        self._value = value
-
-    def result(self) -> torch.Tensor:
-        return self._value
+def done(value: torch.Tensor) -> Future:
+    """`value` as a finished Future (scores computed on the spot, like a reward model's)."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def next_prompts(run: Run) -> tuple[list[PromptRow], list[list[int]]]:
@@ -138,7 +135,7 @@ def score_async(run: Run, batch: TokenBatch, rows: Sequence[PromptRow]) -> Any:
     """(bs,) sequence rewards, as a Future: rule/custom rewards run on the reward manager's
     thread pool while the driver waits on the engines; a reward model scores on its group."""
     if run.groups.reward_model is not None:
-        return _Done(run.groups.reward_model.score(batch))
+        return done(run.groups.reward_model.score(batch))
     index = batch.prompt_index.tolist()
     answers = [rows[i].answer for i in index]
     sources = [rows[i].data_source for i in index]
@@ -207,17 +204,20 @@ def policy_forward_metrics(run: Run, batch: TokenBatch, out: ActorLogProbs) -> d
     return metrics
 
 
-def check_logprob_drift(run: Run, step: int, metrics: dict[str, float]) -> None:
+def check_logprob_drift(run: Run, step: int, metrics: dict[str, float],
+                        trained_version: int) -> None:
     """The drift alarm (rollout/drift.py) on step `step`'s rollout-vs-trainer difference, which
-    judges the weights the last refit sent. Both loops call it once a step, after logging the
-    step's metrics. Async modes judge only the tokens sampled by the weights the trainer had
-    (lag 0, version step - 1); a sync step's tokens all come from rollout/weight_version."""
+    judges the weights the last refit sent; the loop calls it once a step, after logging the
+    step's metrics. `trained_version` is the weight version the trainer computed the step's
+    log-probs with. Async modes judge only the tokens sampled by those weights (lag 0); a sync
+    step's tokens all come from rollout/weight_version."""
     rollout, sync = run.cfg.rollout, run.cfg.trainer.rollout_mode == "sync"
     if run.drift_alarm is None:
         threshold = rollout.max_logprob_diff or default_max_logprob_diff(
             run.cfg.actor.engine.dtype, rollout.engine.dtype)
         run.drift_alarm = LogprobDriftAlarm(threshold, rollout.on_logprob_drift)
-    version = int(metrics.get("rollout/weight_version", step - 1)) if sync else step - 1
+    version = int(metrics.get("rollout/weight_version", trained_version)) if sync \
+        else trained_version
     run.drift_alarm.check(step, version, metrics, per_token_versions=not sync)
 
 

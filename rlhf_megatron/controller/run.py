@@ -28,9 +28,9 @@ from rlhf_megatron.controller.lifecycle import (
     remove_orphan_segments,
     remove_refit_segments,
 )
+from rlhf_megatron.controller.loop import restore_checkpoint, save_checkpoint, train_steps
 from rlhf_megatron.controller.metrics import build_metrics_logger
 from rlhf_megatron.controller.phases import Run
-from rlhf_megatron.controller.trainer import restore_checkpoint, save_checkpoint, train_steps
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
 from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint

@@ -118,9 +118,9 @@ def test_the_loops_check_builds_one_alarm_from_the_config(caplog):
 
     run = _run("sync")
     with caplog.at_level(logging.WARNING, logger=DRIFT_LOGGER):
-        check_logprob_drift(run, 1, {**_metrics(0.003), "rollout/weight_version": 0.0})
-        check_logprob_drift(run, 2, {**_metrics(0.05), "rollout/weight_version": 1.0})
-        check_logprob_drift(run, 3, {**_metrics(0.06), "rollout/weight_version": 2.0})
+        check_logprob_drift(run, 1, {**_metrics(0.003), "rollout/weight_version": 0.0}, 0)
+        check_logprob_drift(run, 2, {**_metrics(0.05), "rollout/weight_version": 1.0}, 1)
+        check_logprob_drift(run, 3, {**_metrics(0.06), "rollout/weight_version": 2.0}, 2)
     assert run.drift_alarm.threshold == DEFAULT_MAX_LOGPROB_DIFF["bfloat16"]
     messages = [r.getMessage() for r in caplog.records if r.name == DRIFT_LOGGER]
     assert len(messages) == 1 and "step 2" in messages[0] and "version 1" in messages[0]
@@ -132,6 +132,6 @@ def test_the_loops_check_in_error_mode_and_async(caplog):
 
     run = _run("async", on_logprob_drift="error", max_logprob_diff=0.01)
     stale = {**_metrics(0.3), "rollout/logprob_diff_lag1": 0.3}
-    check_logprob_drift(run, 4, stale)  # no lag-0 tokens: nothing to judge
+    check_logprob_drift(run, 4, stale, 3)  # no lag-0 tokens: nothing to judge
     with pytest.raises(LogprobDriftError, match="step 5: rollout/logprob_diff_lag0=0.02 .*version 4"):
-        check_logprob_drift(run, 5, {**stale, "rollout/logprob_diff_lag0": 0.02})
+        check_logprob_drift(run, 5, {**stale, "rollout/logprob_diff_lag0": 0.02}, 4)
