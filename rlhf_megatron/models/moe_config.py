@@ -123,7 +123,8 @@ def moe_transformer_kwargs(shape: MoeShape, *, is_cuda: bool) -> dict[str, Any]:
 
     The token dispatcher is "alltoall" on both platforms (set for every model by
     `hf_to_megatron_args`): torch's gloo backend implements all_to_all_single with uneven splits,
-    which is all the dispatcher needs (checked at EP2 over gloo by tests/integration/test_moe.py).
+    which is all the dispatcher needs (checked at EP2 over gloo by
+    tests/integration/models/test_moe_parity.py).
     """
     kwargs: dict[str, Any] = dict(
         num_moe_experts=shape.num_experts,

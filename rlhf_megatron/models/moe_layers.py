@@ -7,8 +7,8 @@ differs in two ways:
   TP rank holds the same tokens, the dispatcher all-gathers them over the expert-TP group, each rank
   computes its FFN shard for all of them and the reduce-scatter of the combine sums the partial
   outputs back to each rank's own (identical) tokens. Two corrections make the backward exact too
-  (checked against TP1 by tests/integration/test_moe_parity.py): expert gradients are divided by
-  tp (each expert shard saw every token tp times), and the aux loss counts tokens over the CP
+  (checked against TP1 by tests/integration/models/test_moe_parity.py): expert gradients are divided
+  by tp (each expert shard saw every token tp times), and the aux loss counts tokens over the CP
   group only. The cost is tp-fold expert compute; the engines here keep sequence parallelism off.
 - It keeps the last forward's expert load (tokens routed to each expert), for the per-layer
   load metrics (`expert_load`).

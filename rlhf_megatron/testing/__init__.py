@@ -2,4 +2,5 @@
 (multirank), tiny HF checkpoints (tiny_models), HF references and vLLM settings (hf_reference),
 a served vLLM rollout for refit tests (rollout_service), the three-turn episode checks
 (episodes), /proc and /dev/shm scans (processes), simulated SLURM (slurm_sim), the (model,
-layout) cases (layouts) and pytest fixtures (fixtures)."""
+layout) cases (layouts), pytest fixtures (fixtures), CLI training runs and the shared Ray head
+(train_runs) and the engine tests' token batches (batches)."""

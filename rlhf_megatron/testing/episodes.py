@@ -1,6 +1,6 @@
 """The three-turn episode checks that the synchronous engine's test
-(tests/integration/test_episodes_vllm.py) and the async engine's (test_async_rollout.py, on its
-own AsyncLLM) share: a ThreeTurns environment loaded from a file by "path.py:Class" (the config
+(tests/integration/rollout/test_episodes_vllm.py) and the async engine's (test_async_rollout.py, on
+its own AsyncLLM) share: a ThreeTurns environment loaded from a file by "path.py:Class" (the config
 path users take), kept ids against generated ids, the rollout log-probs against an fp32 HF
 forward of the whole multi-turn rows, and the timing of a tool that sleeps in one episode."""
 

@@ -1,7 +1,8 @@
-"""SLURM simulated on one machine, for the launch tests (tests/integration/test_slurm_launch.py,
-test_slurm_train.py): fake `srun` / `scontrol` scripts run the real launch/slurm sbatch script on
-two "nodes" (two Ray nodes on loopback), or launch/local.sh on one, on a free block of ports;
-every process of a run carries a tag in its environment, and none may outlive the run."""
+"""SLURM simulated on one machine, for the launch tests
+(tests/integration/launch/test_slurm_launch.py, test_slurm_train.py): fake `srun` / `scontrol`
+scripts run the real launch/slurm sbatch script on two "nodes" (two Ray nodes on loopback), or
+launch/local.sh on one, on a free block of ports; every process of a run carries a tag in its
+environment, and none may outlive the run."""
 
 from __future__ import annotations
 

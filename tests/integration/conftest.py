@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from controller_harness import RayHead
 
 from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.testing.train_runs import RayHead
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,10 @@ FILE_SECONDS = {
 }
 
 
+# The tables above are keyed by file basename, without the subfolder (tests/integration/ mirrors
+# the package: controller/, engines/, ...), so basenames stay unique across tests/: pytest's
+# default import mode, with no __init__.py under tests/, needs that too (a clash is a
+# collection error).
 def _tier_reason(table: dict[str, str], item: pytest.Item) -> str | None:
     name = Path(str(item.fspath)).name
     return table.get(f"{name}::{item.originalname}", table.get(name))

@@ -5,7 +5,8 @@
 - apply / remove / idempotency / skip / unknown names / no-op on a CUDA platform.
 - Shims that can be exercised without torch.distributed: each fails without its shim and gives
   the same numbers as plain torch with it (RoPE frequencies, the default causal mask, the RNG
-  tracker, grad clipping). tests/integration/test_cpu_shims.py covers the rest in gloo ranks.
+  tracker, grad clipping). tests/integration/platform/test_cpu_shims.py covers the rest in gloo
+  ranks.
 
 Every test that applies shims removes them again through the handle (the `shims` fixture), so the
 process is left as it was found.

@@ -1,7 +1,7 @@
 """The SDPA core-attention math against Megatron's unfused attention math, in one process (fp32).
 
 The model-level parity (TP2, PP2, DP2, packed and not, logits and gradients) is in
-tests/integration/test_sdpa_attention.py; these pin the pure functions it is built on.
+tests/integration/models/test_sdpa_attention.py; these pin the pure functions it is built on.
 """
 
 from __future__ import annotations

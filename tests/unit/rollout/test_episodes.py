@@ -1,6 +1,7 @@
 """Episode runner (issue 15 items 2-3, 5) with a scripted turn generator on the tiny tokenizer:
 token-in-token-out, masks, limits and truncation, concurrency of tool calls, metrics.
-The same runner on real vLLM (and its log-prob agreement) is tests/integration/test_episodes_vllm.py."""
+The same runner on real vLLM (and its log-prob agreement) is
+tests/integration/rollout/test_episodes_vllm.py."""
 
 from __future__ import annotations
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller_harness import read_metrics, run_train, small_run_overrides, window_means
-
 from rlhf_megatron.quickstart import prepare, task_vocabulary
 from rlhf_megatron.testing.tiny_models import write_tiny_moe
+from rlhf_megatron.testing.train_runs import (
+    read_metrics,
+    run_train,
+    small_run_overrides,
+    window_means,
+)
 
 STEPS = 30
 WINDOW = 8

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller_harness import read_metrics, run_train, small_run_overrides, window_means
-
 from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.testing.train_runs import (
+    read_metrics,
+    run_train,
+    small_run_overrides,
+    window_means,
+)
 
 STEPS = 40
 WINDOW = 10

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_batches import padded_prompt_batch
 
+from rlhf_megatron.testing.batches import padded_prompt_batch
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 

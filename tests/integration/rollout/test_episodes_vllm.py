@@ -3,7 +3,7 @@ exactly vLLM's generated ids plus observation deltas (a re-tokenised conversatio
 and on multi-turn rows vLLM's log-probs equal an fp32 forward of the whole episode within 1e-4.
 Here on the synchronous engine (the trainer's path); the same checks on the async engine, plus a
 tool that sleeps 2 s in one episode while the others generate all their later turns, run in
-tests/integration/test_async_rollout.py on that test's AsyncLLM (the checks shared through
+tests/integration/rollout/test_async_rollout.py on that test's AsyncLLM (the checks shared through
 ``rlhf_megatron.testing.episodes``, so no second AsyncLLM start).
 
 The environment is loaded from a file by "path.py:Class" (the config path users take)."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from controller_harness import (
+from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.testing.train_runs import (
     RayHead,
     kill_mid_run,
     read_metrics,
@@ -25,8 +26,6 @@ from controller_harness import (
     titled_processes,
     window_means,
 )
-
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 
 # `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 

@@ -1,5 +1,6 @@
-"""Helpers of the controller e2e tests: run `python -m rlhf_megatron train` on the quickstart
-assets as a subprocess, read its metrics, kill it at chosen moments."""
+"""Helpers of the tests that train end to end (tests/integration/controller/ and others): run
+`python -m rlhf_megatron train` on the quickstart assets as a subprocess, read its metrics, kill
+it at chosen moments, and one Ray cluster that many runs join (RayHead)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # rlhf_megatron/testing/ -> the checkout
 CONFIG = REPO / "configs" / "quickstart_cpu.yaml"
 
 # Wall-clock and throughput figures differ between runs; everything else must match exactly.

@@ -22,7 +22,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from controller_harness import (
+
+from rlhf_megatron.cli import main
+from rlhf_megatron.controller.checkpoint_store import CheckpointStore, verify_checkpoint
+from rlhf_megatron.controller.lifecycle import EXIT_PREEMPTED
+from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.testing.processes import leaked_refit_segments, pids_with_env, refit_segments
+from rlhf_megatron.testing.train_runs import (
     REPO,
     RayHead,
     last_line,
@@ -31,12 +37,6 @@ from controller_harness import (
     train_command,
     wait_until,
 )
-
-from rlhf_megatron.cli import main
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore, verify_checkpoint
-from rlhf_megatron.controller.lifecycle import EXIT_PREEMPTED
-from rlhf_megatron.quickstart import prepare
-from rlhf_megatron.testing.processes import leaked_refit_segments, pids_with_env, refit_segments
 
 TAG_VAR = "RLHF_RELIAB_TAG"
 WORKER_TITLES = (b"ray::MegatronWorker", b"ray::RolloutWorker")

@@ -1,4 +1,5 @@
-"""Batches of the engine tests (built in the test process, handed to the ranks)."""
+"""Batches of the engine tests (tests/integration/engines/: built in the test process, handed
+to the ranks)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 CPU_CHECKS = {"environment", "update", "offload", "checkpoint_resume", "parity_fp32", "refit_hf"}
 CUDA_CHECKS = {"parity_bf16", "attention", "throughput_1b", "cuda_ipc", "context_parallel"}

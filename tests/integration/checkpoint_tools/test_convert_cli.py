@@ -22,7 +22,7 @@ from checkpoint_tools.common import METADATA_FILE
 from rlhf_megatron.testing.hf_reference import hf_model, hf_token_logprobs
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

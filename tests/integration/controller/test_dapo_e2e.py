@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import REPO, read_metrics, run_train, small_run_overrides
 
 from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.testing.train_runs import REPO, read_metrics, run_train, small_run_overrides
 
 CONFIG = REPO / "configs" / "dapo_cpu.yaml"
 PROMPTS, N, MAX_TOKENS, BUFFER, STEPS = 2, 2, 4, 2, 3

@@ -26,7 +26,7 @@ import torch
 
 from rlhf_megatron.quickstart_real import prepare_real
 from rlhf_megatron.testing.damage import conversion_damages, damaged_copy
-from tests.integration.controller_harness import REPO, read_metrics, run_train, small_run_overrides
+from rlhf_megatron.testing.train_runs import REPO, read_metrics, run_train, small_run_overrides
 
 pytestmark = pytest.mark.slow
 

@@ -26,10 +26,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import REPO, RayHead, read_metrics, run_train, small_run_overrides
 
 from rlhf_megatron.engines.context_parallel import tokens_per_cp_rank
 from rlhf_megatron.quickstart_long import REPEATS, prepare
+from rlhf_megatron.testing.train_runs import (
+    REPO,
+    RayHead,
+    read_metrics,
+    run_train,
+    small_run_overrides,
+)
 
 CONFIG = REPO / "configs" / "quickstart_long_cp_cpu.yaml"
 STEPS = 30

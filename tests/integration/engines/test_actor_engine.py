@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_batches import padded_prompt_batch
 
+from rlhf_megatron.testing.batches import padded_prompt_batch
 from rlhf_megatron.testing.hf_reference import hf_batch_logprobs, hf_model
 from rlhf_megatron.testing.layouts import ENGINE, ENGINE_VPP
 from rlhf_megatron.testing.multirank import run_on_ranks

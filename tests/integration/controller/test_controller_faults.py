@@ -10,7 +10,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from controller_harness import (
+
+from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.testing.processes import leaked_refit_segments, refit_segments
+from rlhf_megatron.testing.train_runs import (
     RayHead,
     kill_hard,
     kill_mid_run,
@@ -24,9 +27,6 @@ from controller_harness import (
     train_in_process,
     wait_until,
 )
-
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore
-from rlhf_megatron.testing.processes import leaked_refit_segments, refit_segments
 
 # `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 

@@ -20,8 +20,8 @@ import dataclasses
 
 import pytest
 import torch
-from engine_batches import padded_prompt_batch
 
+from rlhf_megatron.testing.batches import padded_prompt_batch
 from rlhf_megatron.testing.layouts import LOSS_TERMS
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint

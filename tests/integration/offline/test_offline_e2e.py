@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import REPO, RayHead, read_metrics, run_train, window_means
 
 from rlhf_megatron.offline.quickstart import prepare
+from rlhf_megatron.testing.train_runs import REPO, RayHead, read_metrics, run_train, window_means
 
 STEPS = 30
 HALF = 15

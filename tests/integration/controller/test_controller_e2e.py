@@ -18,10 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import REPO, RayHead, read_metrics, run_train, small_run_overrides
 
 from rlhf_megatron.quickstart import prepare
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_reward_model
+from rlhf_megatron.testing.train_runs import (
+    REPO,
+    RayHead,
+    read_metrics,
+    run_train,
+    small_run_overrides,
+)
 
 PPO_CONFIG = REPO / "configs" / "quickstart_ppo_cpu.yaml"
 MAX_TOKENS = 40

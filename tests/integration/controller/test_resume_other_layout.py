@@ -23,7 +23,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import RayHead, read_metrics, run_train, small_run_overrides, stable
+
+from rlhf_megatron.testing.train_runs import (
+    RayHead,
+    read_metrics,
+    run_train,
+    small_run_overrides,
+    stable,
+)
 
 # `assets` (the quickstart's) and `head` (a shared Ray cluster): tests/integration/conftest.py
 

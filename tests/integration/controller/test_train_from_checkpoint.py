@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import read_metrics, run_train, small_run_overrides
 
 from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.testing.train_runs import read_metrics, run_train, small_run_overrides
 
 
 def _train_actor_checkpoint(hf_dir: Path, out: Path) -> None:

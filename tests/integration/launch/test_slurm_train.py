@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from controller_harness import CONFIG, read_metrics, small_run_overrides
-
 from rlhf_megatron.quickstart import prepare
 from rlhf_megatron.testing.processes import pids_with_env, proc_environ, proc_stat
 from rlhf_megatron.testing.slurm_sim import SIM_NODES, run_local_sh, run_simulated_slurm
+from rlhf_megatron.testing.train_runs import CONFIG, read_metrics, small_run_overrides
 
 
 class WorkerNodes(threading.Thread):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import last_line, read_metrics, run_train, small_run_overrides
 
 from rlhf_megatron.rollout.drift import DEFAULT_MAX_LOGPROB_DIFF
+from rlhf_megatron.testing.train_runs import last_line, read_metrics, run_train, small_run_overrides
 
 STEPS = 8
 LR = 3e-5

@@ -14,7 +14,7 @@ import pytest
 
 from rlhf_megatron.testing.multirank import run_on_ranks
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # (config, role): the role's layout is built; "critic" swaps in the value head as its engine does.
 CASES = [

@@ -8,7 +8,7 @@ that pins a task to it. Ports and the Ray temp dir are unique per test, so Ray c
 tests running in parallel are never touched; every process a test starts carries a tag in its
 environment, which is how the tests find (and kill) leftovers.
 
-    .venv/bin/pytest tests/integration/test_slurm_launch.py
+    .venv/bin/pytest tests/integration/launch/test_slurm_launch.py
 
 `run_simulated_slurm` (rlhf_megatron/testing/slurm_sim.py) is the reusable piece: pass it the
 trainer command (e.g. the real `python -m rlhf_megatron train ...`) and extra environment.

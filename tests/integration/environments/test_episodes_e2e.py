@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from controller_harness import REPO, RayHead, read_metrics, run_train, window_means
 
 from rlhf_megatron.environments.quickstart import prepare
+from rlhf_megatron.testing.train_runs import REPO, RayHead, read_metrics, run_train, window_means
 
 # 800 SFT steps (loss ~0.01; 400 left it at ~0.09): the warm start copies the tool's output
 # reliably, so calling the tool pays and the reward can follow the tool-use rate.
