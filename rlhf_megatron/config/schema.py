@@ -19,7 +19,7 @@ from rlhf_megatron.algorithms import (
 )
 from rlhf_megatron.engines.config import EngineConfig
 from rlhf_megatron.environments.config import EnvironmentConfig
-from rlhf_megatron.offline.config import OfflineSettings
+from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS, OfflineSettings
 from rlhf_megatron.parallel.dims import ParallelDims
 from rlhf_megatron.rewards.manager import RewardConfig
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
@@ -285,8 +285,15 @@ class TrainConfig:
         return self.algorithm.name == "ppo"
 
     @property
+    def is_offline(self) -> bool:
+        """SFT/DPO/KTO: no rollout engines; DPO/KTO take their reference log-probs from the
+        actor's initial weights, once (controller/offline_source.py)."""
+        return self.algorithm.name in OFFLINE_ALGORITHMS
+
+    @property
     def uses_reference(self) -> bool:
-        return self.algorithm.kl_mode != "none"
+        """A reference engine beside the actor (RL with a KL term)."""
+        return self.algorithm.kl_mode != "none" and not self.is_offline
 
     @property
     def uses_reward_model(self) -> bool:

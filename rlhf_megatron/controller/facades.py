@@ -165,6 +165,15 @@ class ActorGroup(_MegatronFacade):
                                       torch.cat([p["entropy"] for p in parts]))
         return PolicyUpdate(parts[0]["metrics"], on_policy)
 
+    def offline_update(self, batch: TokenBatch, spec: Any) -> list[dict[str, Any]]:
+        """One optimizer step of an offline loss (engines.offline_update.OfflineStepSpec); one
+        result per DP rank ({'metrics', and 'logprobs' when spec.return_logprobs})."""
+        return self._dp.offline_update(batch, spec).collect()
+
+    def sequence_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """(bs,) summed log-probs of each row's loss tokens under the current weights."""
+        return concat_rows(self._dp.sequence_logprobs(batch).collect())
+
     def connect_rollout(self, rollout: RolloutGroup, *, bucket_bytes: int,
                         transport: str) -> None:
         """Once, when the groups are built: every rank connects to the rollout engines

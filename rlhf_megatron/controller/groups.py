@@ -30,7 +30,8 @@ class RunGroups:
     """The run's worker groups, each behind its typed facade (controller/facades.py)."""
 
     actor: ActorGroup
-    rollout: RolloutGroup
+    rollout: RolloutGroup | None
+    """None in an offline run (SFT/DPO/KTO)."""
     critic: CriticGroup | None = None
     reward_model: RewardModelGroup | None = None
 
@@ -61,6 +62,7 @@ def rollout_worker_class(cfg: TrainConfig) -> type:
         return AsyncRolloutWorker
     return RolloutWorker
 
+
 def _megatron_specs(cfg: TrainConfig) -> dict[str, EngineSpec]:
     """One EngineSpec per role of config.roles.megatron_roles."""
     seed = cfg.trainer.seed
@@ -87,17 +89,8 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
             role, MegatronWorker, pools[plan.role_pool[role]], range(world),
             lambda rank, role=role, world=world, threads=threads:
                 (f"{role}[{rank}]", rank, world, threads))
-    tp = cfg.rollout.engine.tensor_parallel_size
-    rollout_config = cfg.rollout.engine
-    rollout_class, extra = rollout_worker_class(cfg), ()
-    if rollout_class is not RolloutWorker:
-        extra = (buffer_capacity(cfg),)
-    groups["rollout"] = WorkerGroup.create(
-        "rollout", rollout_class, pools[plan.role_pool["rollout"]],
-        [engine * tp for engine in range(cfg.rollout.num_engines)],
-        lambda rank: (f"rollout[{rank}]", cfg.model.path,
-                      replace(rollout_config, seed=rollout_config.seed + rank),
-                      worker_threads(cfg, plan, "rollout"), *extra))
+    if not cfg.is_offline:  # SFT/DPO/KTO: the actor alone
+        groups["rollout"] = _rollout_workers(cfg, plan, pools)
     timeout = cfg.ray.startup_timeout_s
     # Rendezvous addresses first (fast), then every setup at once.
     addresses = _rendezvous_addresses(groups, list(specs), timeout)
@@ -107,19 +100,37 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
             refs.append(handle.setup.remote(spec, ip, port))
             names.append(name)
             owners.append(role)
-    for handle, name in zip(groups["rollout"].handles, groups["rollout"].names, strict=True):
-        refs.append(handle.ping.remote())
-        names.append(name)
-        owners.append("rollout")
+    rollout = groups.get("rollout")
+    if rollout is not None:
+        refs += [handle.ping.remote() for handle in rollout.handles]
+        names += rollout.names
+        owners += ["rollout"] * len(rollout.handles)
     results = wait_all(refs, names, "setup", timeout_s=timeout)
     for role in specs:
         groups[role].set_parallel_ranks([r for r, o in zip(results, owners) if o == role])
     facades = {role: _FACADES[role](groups[role]) for role in specs}
-    run_groups = RunGroups(rollout=RolloutGroup(groups["rollout"]), **facades)
-    run_groups.actor.connect_rollout(run_groups.rollout,
-                                     bucket_bytes=cfg.rollout.bucket_mb * 2**20,
-                                     transport=cfg.rollout.refit_transport)
+    run_groups = RunGroups(rollout=RolloutGroup(rollout) if rollout else None, **facades)
+    if run_groups.rollout is not None:
+        run_groups.actor.connect_rollout(run_groups.rollout,
+                                         bucket_bytes=cfg.rollout.bucket_mb * 2**20,
+                                         transport=cfg.rollout.refit_transport)
     return run_groups
+
+
+def _rollout_workers(cfg: TrainConfig, plan: DevicePlan,
+                     pools: dict[str, DevicePool]) -> WorkerGroup:
+    """The rollout engines' workers, one per engine (rollout.num_engines), each seeded apart."""
+    tp = cfg.rollout.engine.tensor_parallel_size
+    rollout_config = cfg.rollout.engine
+    rollout_class, extra = rollout_worker_class(cfg), ()
+    if rollout_class is not RolloutWorker:
+        extra = (buffer_capacity(cfg),)
+    return WorkerGroup.create(
+        "rollout", rollout_class, pools[plan.role_pool["rollout"]],
+        [engine * tp for engine in range(cfg.rollout.num_engines)],
+        lambda rank: (f"rollout[{rank}]", cfg.model.path,
+                      replace(rollout_config, seed=rollout_config.seed + rank),
+                      worker_threads(cfg, plan, "rollout"), *extra))
 
 
 def _rendezvous_addresses(groups: dict[str, WorkerGroup], roles: list[str],

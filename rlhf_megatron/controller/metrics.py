@@ -245,15 +245,17 @@ def build_metrics_logger(
     run_name: str,
     config_dict: dict[str, Any],
     resume_step: int | None,
+    console_keys: Sequence[str] | None = None,
 ) -> MetricsLogger:
     """The run's logger: ``run_dir/metrics.jsonl`` always, then the console,
     ``run_dir/tensorboard/`` and W&B as asked. ``resume_step`` is the first step the run will
-    log again (records from it on are dropped from metrics.jsonl); ``None`` for a fresh run."""
+    log again (records from it on are dropped from metrics.jsonl); ``None`` for a fresh run.
+    ``console_keys``: what the console shows (default ``DEFAULT_CONSOLE_KEYS``)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step=resume_step)]
     if console:
-        sinks.append(ConsoleSink())
+        sinks.append(ConsoleSink() if console_keys is None else ConsoleSink(keys=console_keys))
     if tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if wandb_project:

@@ -17,6 +17,7 @@ The loop itself is in controller/loop.py, the batch's sources in sources.py.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -67,6 +68,14 @@ class Run:
     saved in checkpoints; None in sync mode."""
     drift_alarm: LogprobDriftAlarm | None = None
     """Built by the first check_logprob_drift (rollout.max_logprob_diff, on_logprob_drift)."""
+    offline: Any = None
+    """SFT/DPO/KTO: the dataset and reference log-probs (offline_source.OfflineData); None in
+    RL, where `loader` yields prompts."""
+
+
+def say(message: str) -> None:
+    """One line for the user on stderr."""
+    print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
 
 
 def done(value: torch.Tensor) -> Future:
@@ -274,14 +283,17 @@ def score_and_advantages(run: Run, step: int, batch: TokenBatch, scores: Any, ti
     return batch
 
 
-def dump_batch(run: Run, step: int, batch: TokenBatch, scores: torch.Tensor) -> Path:
-    """trainer.dump_batch_steps: save the batch as the updates will see it, with the (bs,)
-    sequence scores, to <run_dir>/batches/step_<N>.pt."""
+def dump_batch(run: Run, step: int, batch: TokenBatch,
+               scores: torch.Tensor | None = None) -> Path:
+    """trainer.dump_batch_steps: save the batch as the update saw it (token ids, masks and its
+    fields) and the (bs,) sequence scores of an RL step to <run_dir>/batches/step_<N>.pt."""
     path = Path(run.cfg.trainer.run_dir) / "batches" / f"step_{step:08d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                "loss_mask": batch.loss_mask, "fields": dict(batch.fields),
-                "scores": scores.float()}, path)
+    record = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+              "loss_mask": batch.loss_mask, "fields": dict(batch.fields)}
+    if scores is not None:
+        record["scores"] = scores.float()
+    torch.save(record, path)
     return path
 
 

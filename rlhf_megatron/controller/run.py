@@ -13,7 +13,6 @@ rewards' process, kills the worker groups, unlinks their refit segments and shut
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,11 +29,12 @@ from rlhf_megatron.controller.lifecycle import (
 )
 from rlhf_megatron.controller.loop import restore_checkpoint, save_checkpoint, train_steps
 from rlhf_megatron.controller.metrics import build_metrics_logger
-from rlhf_megatron.controller.phases import Run
+from rlhf_megatron.controller.offline_source import CONSOLE_KEYS, PLOT_KEYS, OfflineData
+from rlhf_megatron.controller.phases import Run, say
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
 from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
-from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
+from rlhf_megatron.offline.datasets import load_examples
 from rlhf_megatron.rewards import RewardManager
 
 
@@ -62,17 +62,9 @@ def _probe_custom_reward(rewards: RewardManager,
                     [row.data_source for row in rows])
 
 
-def _say(message: str) -> None:
-    print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
-
-
 def train(cfg: TrainConfig) -> Path:
     """Run training as configured; returns the run directory. A signal (SIGTERM, SIGUSR1,
     SIGINT) ends it with StopRequested after a checkpoint of the step reached (lifecycle.py)."""
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:  # SFT/DPO/KTO: no rollout, own loop
-        from rlhf_megatron.offline.trainer import train_offline
-
-        return train_offline(cfg)
     stop = GracefulStop()
     stop.install()
     try:
@@ -139,20 +131,29 @@ def _teardown(groups: Any, pids: list[int], rewards: RewardManager, logger: Any)
 
 
 def _load_data(cfg: TrainConfig, resume_state: dict[str, Any] | None,
-               resume_from: Path | None) -> tuple[Any, list, list, PromptLoader]:
-    """Tokenizer, training and held-out items, and the prompt loader (checked against the
-    checkpoint to resume from)."""
+               resume_from: Path | None) -> tuple[Any, list, list, PromptLoader, Any]:
+    """Tokenizer, training and held-out items, the loader (checked against the checkpoint to
+    resume from), and an offline run's dataset (offline_source.OfflineData; else None). An
+    offline loader yields example indices."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path
                                               or hf_assets_dir(cfg.model.path))
-    train_items = load_prompts(cfg, tokenizer, cfg.data.train_files)
-    val_items = (load_prompts(cfg, tokenizer, cfg.data.val_files, cfg.data.val_max_prompts)
-                 if cfg.data.val_files else [])
+    offline = None
+    if cfg.is_offline:
+        alg = cfg.algorithm
+        offline = OfflineData(load_examples(alg.name, cfg.data.train_files, tokenizer,
+                                            alg.offline, prompt_key=cfg.data.prompt_key,
+                                            use_chat_template=cfg.data.use_chat_template))
+        train_items, val_items = list(range(len(offline.examples))), []
+    else:
+        train_items = load_prompts(cfg, tokenizer, cfg.data.train_files)
+        val_items = (load_prompts(cfg, tokenizer, cfg.data.val_files, cfg.data.val_max_prompts)
+                     if cfg.data.val_files else [])
     loader = PromptLoader(train_items, batch_size=cfg.data.prompts_per_step, seed=cfg.data.seed)
     if resume_state is not None:
         _check_loader_state(loader, resume_state, resume_from)
-    return tokenizer, train_items, val_items, loader
+    return tokenizer, train_items, val_items, loader, offline
 
 
 def _first_step(run: Run, store: CheckpointStore, resume_from: Path | None) -> int:
@@ -162,12 +163,12 @@ def _first_step(run: Run, store: CheckpointStore, resume_from: Path | None) -> i
             start_step = restore_checkpoint(run, store, resume_from)
         except (RlhfMegatronError, OSError) as exc:
             raise CheckpointError(f"loading checkpoint {resume_from} failed: {exc}") from None
-        _say(f"resumed from {resume_from} at step {start_step}")
+        say(f"resumed from {resume_from} at step {start_step}")
         return start_step
-    if is_megatron_checkpoint(run.cfg.model.path):
+    if run.groups.rollout is not None and is_megatron_checkpoint(run.cfg.model.path):
         # vLLM started on placeholder weights (a dist-checkpoint has no HF weights).
         phases.refit(run, version=0)
-        _say(f"rollout weights sent from the actor (loaded from {run.cfg.model.path})")
+        say(f"rollout weights sent from the actor (loaded from {run.cfg.model.path})")
     return 1
 
 
@@ -177,7 +178,7 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
 
     plan = validate_config(cfg)
     for warning in config_warnings(cfg):
-        _say(f"warning: {warning}")
+        say(f"warning: {warning}")
     run_dir = _prepare_run_dir(cfg)
     store = CheckpointStore(run_dir / "checkpoints", keep_last=cfg.trainer.keep_last,
                             verify=cfg.trainer.checkpoint_verify)
@@ -185,9 +186,10 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
     resume_from = store.resolve_resume(cfg.trainer.resume)
     resume_state = _resume_state(cfg, store, resume_from)
     for path in remove_orphan_segments():
-        _say(f"removed {path}, left behind by a process that no longer exists")
+        say(f"removed {path}, left behind by a process that no longer exists")
 
-    tokenizer, train_items, val_items, loader = _load_data(cfg, resume_state, resume_from)
+    tokenizer, train_items, val_items, loader, offline = _load_data(cfg, resume_state,
+                                                                    resume_from)
     alg = cfg.algorithm
     kl_controller = build_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target,
                                         alg.kl_horizon)
@@ -197,22 +199,28 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
     logger = None
     pids: list[int] = []
     try:
-        if rewards.custom is not None and not cfg.uses_reward_model:
-            _probe_custom_reward(rewards, train_items)
-        _say(f"{len(train_items)} training prompts, {len(val_items)} held out; run dir {run_dir}")
+        if offline is not None:
+            say(f"{cfg.algorithm.name.upper()}: {len(train_items)} examples; run dir {run_dir}")
+        else:
+            if rewards.custom is not None and not cfg.uses_reward_model:
+                _probe_custom_reward(rewards, train_items)
+            say(f"{len(train_items)} training prompts, {len(val_items)} held out; run dir "
+                f"{run_dir}")
         start_ray(cfg, plan)
         stop.install()  # after Ray's own SIGTERM handler
         pools = reserve_pools(cfg, plan, cfg.ray.startup_timeout_s)
-        _say(f"pools {dict(plan.pools)} ({cfg.resources.mode}); starting workers")
+        say(f"pools {dict(plan.pools)} ({cfg.resources.mode}); starting workers")
         groups = build_groups(cfg, plan, pools)
         pids = groups.pids()
-        _say(f"workers ready in {time.perf_counter() - start:.1f}s")
-        run = Run(cfg, groups, tokenizer, rewards, kl_controller, loader, val_items)
+        say(f"workers ready in {time.perf_counter() - start:.1f}s")
+        run = Run(cfg, groups, tokenizer, rewards, kl_controller, loader, val_items,
+                  offline=offline)
         start_step = _first_step(run, store, resume_from)
         logger = build_metrics_logger(
             run_dir, console=cfg.metrics.console, tensorboard=cfg.metrics.tensorboard,
             wandb_project=cfg.metrics.wandb_project, run_name=cfg.trainer.run_name or run_dir.name,
-            config_dict=config_to_dict(cfg), resume_step=start_step)
+            config_dict=config_to_dict(cfg), resume_step=start_step,
+            console_keys=CONSOLE_KEYS if offline is not None else None)
         stop.in_loop = True
         if stop.requested:  # a signal during start-up that did not interrupt it
             raise stop.stop_after(start_step - 1, resume_from)
@@ -224,6 +232,7 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
     if cfg.metrics.plot:
         from rlhf_megatron.controller.plot import plot_metrics
 
-        plot_metrics(run_dir / "metrics.jsonl", run_dir / "plot.png")
-    _say(f"done in {time.perf_counter() - start:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
+        plot_metrics(run_dir / "metrics.jsonl", run_dir / "plot.png",
+                     **({"keys": PLOT_KEYS[cfg.algorithm.name]} if offline is not None else {}))
+    say(f"done in {time.perf_counter() - start:.1f}s; metrics in {run_dir / 'metrics.jsonl'}")
     return run_dir

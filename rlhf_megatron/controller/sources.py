@@ -11,6 +11,7 @@ its (bs,) sequence rewards as a Future, and the generation metrics. The loop nev
                         (dynamic_sampling.py)
     StreamSource        trainer.rollout_mode one_step_off / async: groups from the engines'
                         buffers, stale ones dropped (stream_source.py)
+    OfflineSource       SFT / DPO / KTO: dataset batches, no generation (offline_source.py)
 
 `loop.build_source(run)` makes the choice once, when the run starts. A source's hooks around the
 update: `before_refit` (one_step_off lets the next batch finish on the old weights) and
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.metrics import PhaseTimer
@@ -33,12 +35,15 @@ class StepRollout:
     """One step's batch, its (bs,) sequence rewards (a Future) and the generation metrics."""
 
     batch: TokenBatch
-    scores: Future
+    scores: Future | None
+    """None for an offline batch (no rewards)."""
     metrics: dict[str, float]
     keys: list[int] = field(default_factory=list)
     """StreamSource: the prompt keys of the batch's groups (async_stream.PromptStream)..."""
     dropped: list[int] = field(default_factory=list)
     """... and of the groups dropped as too stale while it was collected."""
+    spec: Any = None
+    """OfflineSource: the batch's engines.offline_update.OfflineStepSpec."""
 
 
 class SyncSource:

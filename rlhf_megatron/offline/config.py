@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OFFLINE_ALGORITHMS = ("sft", "dpo", "kto")
-DPO_LOSSES = ("sigmoid", "ipo")
 
 
 @dataclass

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_megatron.algorithms.preference import DPO_LOSSES
 from rlhf_megatron.config.schema import TrainConfig
 from rlhf_megatron.config.validate import DevicePlan, check_sections
 from rlhf_megatron.errors import ConfigError, LayoutError
-from rlhf_megatron.offline.config import DPO_LOSSES, OFFLINE_ALGORITHMS
+from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 
 ROWS_PER_EXAMPLE = {"sft": 1, "dpo": 2, "kto": 1}
 """Rows of the training batch per example (KTO's mismatched rows go in a batch of their own)."""
@@ -36,7 +37,7 @@ def _check_settings(cfg: TrainConfig) -> None:
         raise ConfigError(f"algorithm.name={name!r} is not an offline algorithm")
     if s.dpo_loss not in DPO_LOSSES:
         raise ConfigError(f"algorithm.offline.dpo_loss={s.dpo_loss!r}: expected one of "
-                          f"{', '.join(DPO_LOSSES)}")
+                          f"{', '.join(DPO_LOSSES.names())}")
     if s.beta <= 0:
         raise ConfigError(f"algorithm.offline.beta={s.beta} must be > 0")
     if s.kto_lambda_d <= 0 or s.kto_lambda_u <= 0:

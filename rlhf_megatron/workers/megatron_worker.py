@@ -6,6 +6,7 @@ Roles:
                 uses a KL term (both start from the same HF weights)
   critic        CriticEngine (PPO)
   reward_model  RewardModelEngine
+An offline run (SFT, DPO, KTO) builds the actor alone and calls offline_update on it.
 """
 
 from __future__ import annotations
@@ -112,6 +113,20 @@ class MegatronWorker:
         out: dict[str, Any] = {"metrics": self.engine.update_policy(batch, settings)}
         out.update(self.engine.on_policy_values or {})
         return out
+
+    # ------------------------------------------------------------------ offline (SFT, DPO, KTO)
+    @on_cores
+    def offline_update(self, batch: TokenBatch, spec: Any) -> dict[str, Any]:
+        """One optimizer step of an offline loss (engines/offline_update.py)."""
+        from rlhf_megatron.engines.offline_update import offline_update  # workers only: the
+        # driver imports this module and never Megatron
+
+        return offline_update(self.engine, batch, spec)
+
+    @on_cores
+    def sequence_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """(bs,) summed log-probs of each row's loss tokens (forward only)."""
+        return self.engine.compute_logprobs(batch)["logprobs"].sum(-1)
 
     # ------------------------------------------------------------------ critic / reward model
     @on_cores

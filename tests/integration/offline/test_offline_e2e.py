@@ -97,14 +97,15 @@ def test_dpo_resumes_and_its_export_reproduces_the_trainer_logprobs(assets, head
                               str(checkpoint), "--out", str(out)], cwd=REPO, capture_output=True,
                              text=True, timeout=300)
     assert convert.returncode == 0, convert.stderr[-2000:]
-    dumped = torch.load(run_dir / "batches" / f"step_{HALF + 1}.pt")
+    dumped = torch.load(run_dir / "batches" / f"step_{HALF + 1:08d}.pt")  # as an RL run's
+    assert set(dumped) == {"input_ids", "attention_mask", "loss_mask", "fields"}
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ids, attention, mask = dumped["input_ids"], dumped["attention_mask"], dumped["loss_mask"]
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention).logits.float()
-    hf = torch.zeros_like(dumped["logprobs"])
+    hf = torch.zeros_like(dumped["fields"]["logprobs"])
     hf[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert mask.sum() > 0
-    torch.testing.assert_close(hf * mask, dumped["logprobs"] * mask, atol=2e-5, rtol=0)
+    torch.testing.assert_close(hf * mask, dumped["fields"]["logprobs"] * mask, atol=2e-5, rtol=0)

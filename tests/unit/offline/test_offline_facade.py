@@ -1,14 +1,15 @@
-"""The offline trainer's typed facade (offline/facade.py) calls OfflineWorker's methods by their
-Python names: every call it makes names a method the worker has, with the batch sharded over DP
-where the worker expects a shard. A fake group records the calls (no Ray)."""
+"""The actor's typed facade (controller/facades.py ActorGroup) calls the offline methods of
+MegatronWorker by their Python names: every call it makes names a method the worker has, with
+the batch sharded over DP where the worker expects a shard. A fake group records the calls (no
+Ray)."""
 
 from __future__ import annotations
 
 import torch
 
+from rlhf_megatron.controller.facades import ActorGroup
 from rlhf_megatron.data.batch import TokenBatch
-from rlhf_megatron.offline.facade import OfflineActorGroup
-from rlhf_megatron.offline.worker import OfflineWorker
+from rlhf_megatron.workers.megatron_worker import MegatronWorker
 
 
 class _Pending:
@@ -38,18 +39,18 @@ class _FakeGroup:
         return _Pending([{"metrics": {"loss": 0.5}}, {"metrics": {"loss": 0.5}}])
 
 
-def test_every_facade_call_names_an_offline_worker_method() -> None:
+def test_every_offline_facade_call_names_a_megatron_worker_method() -> None:
     fake = _FakeGroup()
-    actor = OfflineActorGroup(fake)
+    actor = ActorGroup(fake)
     ids = torch.ones(2, 3, dtype=torch.long)
     batch = TokenBatch(ids, ids, ids)
     actor.save_checkpoint("/ckpt/actor", 7)
     actor.load_checkpoint("/ckpt/actor")
     assert actor.sequence_logprobs(batch).tolist() == [1.0, 2.0]  # DP parts in DP order
-    assert actor.update(batch, "spec")[0]["metrics"] == {"loss": 0.5}
+    assert actor.offline_update(batch, "spec")[0]["metrics"] == {"loss": 0.5}
     assert [(how, method) for how, method, _ in fake.calls] == [
         ("each", "save_checkpoint"), ("each", "load_checkpoint"),
         ("dp", "sequence_logprobs"), ("dp", "offline_update")]
     for _, method, _ in fake.calls:
-        assert callable(getattr(OfflineWorker, method, None)), method
+        assert callable(getattr(MegatronWorker, method, None)), method
     assert fake.calls[0][2] == ("/ckpt/actor", 7) and fake.calls[3][2][1] == "spec"

@@ -8,9 +8,14 @@ import math
 import pytest
 import torch
 
+from rlhf_megatron.algorithms.preference import dpo_loss, kto_loss, kto_reference_point
 from rlhf_megatron.data.batch import TokenBatch
-from rlhf_megatron.offline.losses import dpo_loss, kto_loss, kto_reference_point
-from rlhf_megatron.offline.steps import OfflineStepSpec, _dpo_terms, _kto_terms, _sft_terms
+from rlhf_megatron.engines.offline_update import (
+    OfflineStepSpec,
+    _dpo_terms,
+    _kto_terms,
+    _sft_terms,
+)
 
 
 def t(*values: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""DPO (sigmoid and IPO) and KTO losses on sequence log-probabilities, and the SFT token loss.
+"""The offline losses: DPO (sigmoid and IPO, registry DPO_LOSSES) and KTO on sequence
+log-probabilities, and the SFT token loss.
 
 Every input is a (n,) tensor of sequence log-probs: the sum over the completion's tokens of
 log pi(y_t | x, y_<t), under the policy (with grad) or the frozen reference (no grad).
@@ -24,7 +25,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlhf_megatron.offline.config import DPO_LOSSES
+from rlhf_megatron.algorithms.registry import Registry
+
+DPO_LOSSES: Registry = Registry("DPO loss")
+"""``algorithm.offline.dpo_loss``: ``fn(h, beta) -> (n,) losses`` of the pairs' log-ratio
+differences h."""
+
+
+@DPO_LOSSES.register("sigmoid")
+def _sigmoid_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
+    return -F.logsigmoid(beta * h)
+
+
+@DPO_LOSSES.register("ipo")
+def _ipo_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
+    return (h - 1.0 / (2.0 * beta)) ** 2
 
 
 @dataclass(frozen=True)
@@ -41,17 +56,12 @@ def dpo_loss(
     ref_rejected: torch.Tensor, *, beta: float, kind: str = "sigmoid",
 ) -> PreferenceTerms:
     """Per-pair DPO/IPO losses; all inputs (n,) sequence log-probs of n pairs."""
-    if kind not in DPO_LOSSES:
-        raise ValueError(f"dpo loss {kind!r}: expected one of {', '.join(DPO_LOSSES)}")
+    loss = DPO_LOSSES.get(kind)
     if beta <= 0:
         raise ValueError(f"beta={beta} must be > 0")
     chosen_logratio = policy_chosen - ref_chosen
     rejected_logratio = policy_rejected - ref_rejected
-    h = chosen_logratio - rejected_logratio
-    if kind == "sigmoid":
-        losses = -F.logsigmoid(beta * h)
-    else:
-        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    losses = loss(chosen_logratio - rejected_logratio, beta)
     return PreferenceTerms(losses, beta * chosen_logratio.detach(),
                            beta * rejected_logratio.detach())
 

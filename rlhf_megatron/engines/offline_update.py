@@ -7,7 +7,7 @@ ranks (`loss_scale_for_sum`), so the loss and gradient do not depend on how the 
 Metrics are normalised the same way and summed (`reduce_metrics(summed=...)`), so they are exact
 batch means too.
 
-Batch layout (built by offline/trainer.py):
+Batch layout (built by controller/offline_source.py):
     SFT  one row per conversation; loss_mask on the assistant tokens.
     DPO  rows 2i, 2i+1 = chosen, rejected of pair i; field 'ref_seq_logps' (bs,).
     KTO  one row per example; fields 'ref_seq_logps' (bs,), 'desirable' (bs,) 0/1.
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.algorithms.preference import dpo_loss, kto_loss, sft_token_loss_sum
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.engines.actor import token_values_from_logits
 from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
-from rlhf_megatron.offline.losses import dpo_loss, kto_loss, sft_token_loss_sum
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ def _kto_terms(token_lp: torch.Tensor, seq: torch.Tensor, rows: TokenBatch,
 
 
 TERMS = {"sft": _sft_terms, "dpo": _dpo_terms, "kto": _kto_terms}
+"""The loss terms of each offline algorithm (algorithm.name)."""
 
 
 def offline_update(engine: Any, batch: TokenBatch, spec: OfflineStepSpec) -> dict[str, Any]:
@@ -124,8 +125,3 @@ def offline_update(engine: Any, batch: TokenBatch, spec: OfflineStepSpec) -> dic
     if spec.return_logprobs:
         out["logprobs"] = engine.rows_in_batch_order(batch, micro_batches, pieces)
     return out
-
-
-def sequence_logprobs(engine: Any, batch: TokenBatch) -> torch.Tensor:
-    """(bs,) summed log-probs of the masked tokens of each row (forward only)."""
-    return engine.compute_logprobs(batch)["logprobs"].sum(-1)
