@@ -16,7 +16,8 @@ from rlhf_megatron.config.schema import (
     TrainConfig,
     TrainerSection,
 )
-from rlhf_megatron.config.validate import DevicePlan, model_hf_config, plan_devices, validate_config
+from rlhf_megatron.config.validate import DevicePlan, model_hf_config, plan_devices
+from rlhf_megatron.config.validation import validate_config
 
 __all__ = [
     "ActorSection", "AlgorithmSection", "CriticSection", "DataSection", "DevicePlan",

@@ -17,9 +17,9 @@ from rlhf_megatron.algorithms import (
     PolicyLossConfig,
     RolloutCorrectionConfig,
 )
+from rlhf_megatron.config.offline import OFFLINE_ALGORITHMS, OfflineSettings
 from rlhf_megatron.engines.config import EngineConfig
 from rlhf_megatron.environments.config import EnvironmentConfig
-from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS, OfflineSettings
 from rlhf_megatron.parallel.dims import ParallelDims
 from rlhf_megatron.rewards.manager import RewardConfig
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
@@ -89,7 +89,7 @@ class DataSection:
 class AlgorithmSection:
     name: str = "grpo"
     """'grpo' (group advantages, no critic) or 'ppo' (critic, GAE); offline (no rollout, see
-    rlhf_megatron/offline/): 'sft', 'dpo' or 'kto', set up by `offline` below."""
+    controller/offline_source.py): 'sft', 'dpo' or 'kto', set up by `offline` below."""
     advantage_estimator: str | None = None
     """Name in ADVANTAGE_ESTIMATORS; None: 'grpo' for grpo, 'gae' for ppo."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

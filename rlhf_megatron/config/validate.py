@@ -23,11 +23,11 @@ from rlhf_megatron.algorithms import (
     POLICY_LOSSES,
     AlgorithmError,
 )
+from rlhf_megatron.config.offline import OFFLINE_ALGORITHMS
 from rlhf_megatron.config.roles import MEGATRON_ROLES, device_needs, megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
-from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 
 ALGORITHMS = ("grpo", "ppo")
 KL_MODES = ("loss", "reward", "none")
@@ -45,12 +45,9 @@ class DevicePlan:
     """role -> pool name."""
 
 
-def validate_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan:
-    """Check the whole config; return the device plan the controller will place."""
-    if cfg.algorithm.name in OFFLINE_ALGORITHMS:  # SFT/DPO/KTO: actor only, no rollout
-        from rlhf_megatron.offline.validate import validate_offline_config
-
-        return validate_offline_config(cfg, check_paths=check_paths)
+def validate_rl_config(cfg: TrainConfig, *, check_paths: bool = True) -> DevicePlan:
+    """Check an RL config (PPO, GRPO and the rest); return the device plan the controller will
+    place. config.validation.validate_config dispatches here."""
     _check_algorithm(cfg)
     sections = [(f"{name}.engine", engine.validate) for name, engine in _engines(cfg)]
     sections += [("reward", cfg.reward.validate),

@@ -31,10 +31,10 @@ from rlhf_megatron.controller.loop import restore_checkpoint, save_checkpoint, t
 from rlhf_megatron.controller.metrics import build_metrics_logger
 from rlhf_megatron.controller.offline_source import CONSOLE_KEYS, PLOT_KEYS, OfflineData
 from rlhf_megatron.controller.phases import Run, say
+from rlhf_megatron.data.offline_datasets import load_examples
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
 from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
-from rlhf_megatron.offline.datasets import load_examples
 from rlhf_megatron.rewards import RewardManager
 
 

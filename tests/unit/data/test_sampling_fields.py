@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_megatron.config import validate_config
 from rlhf_megatron.config.loader import load_config
-from rlhf_megatron.config.validate import validate_config
 from rlhf_megatron.data.sampling import sampled_distribution, sampling_fields
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.rollout import SamplingSettings

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_megatron.config.offline import OfflineSettings
+from rlhf_megatron.data.offline_datasets import load_examples
 from rlhf_megatron.errors import ConfigError
-from rlhf_megatron.offline.config import OfflineSettings
-from rlhf_megatron.offline.datasets import load_examples
 from rlhf_megatron.offline.quickstart import write_tokenizer
 
 ADD = [{"role": "user", "content": "2 + 3 ="}, {"role": "assistant", "content": "5"}]

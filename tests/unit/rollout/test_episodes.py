@@ -143,8 +143,8 @@ def test_episode_stream_equals_the_sft_rendering_on_a_word_level_template(tmp_pa
     model's own <eos> closes its turn, and the episode's stream is exactly the ids the SFT warm
     start trained on (chat template over the whole conversation), with no doubled <eos>."""
     from rlhf_megatron import quickstart as rl_quickstart
+    from rlhf_megatron.data.offline_datasets import sft_row
     from rlhf_megatron.environments.quickstart import CHAT_TEMPLATE, demonstration, vocabulary
-    from rlhf_megatron.offline.datasets import sft_row
 
     tok = rl_quickstart.write_tokenizer(tmp_path, vocabulary(), CHAT_TEMPLATE)
     chat = ChatFormat(tok)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_megatron.algorithms.preference import DPO_LOSSES
+from rlhf_megatron.config.offline import OFFLINE_ALGORITHMS
 from rlhf_megatron.config.schema import TrainConfig
 from rlhf_megatron.config.validate import DevicePlan, check_sections
 from rlhf_megatron.errors import ConfigError, LayoutError
-from rlhf_megatron.offline.config import OFFLINE_ALGORITHMS
 
 ROWS_PER_EXAMPLE = {"sft": 1, "dpo": 2, "kto": 1}
 """Rows of the training batch per example (KTO's mismatched rows go in a batch of their own)."""

@@ -33,7 +33,6 @@ from rlhf_megatron.data.prompts import (
     _parquet_records,
 )
 from rlhf_megatron.errors import ConfigError
-from rlhf_megatron.offline.config import OfflineSettings
 
 Messages = list[dict[str, str]]
 
@@ -144,7 +143,7 @@ def completion_row(tokenizer: Any, prompt_ids: list[int], text: str) -> TokenRow
     return TokenRow(tuple(prompt_ids + ids), tuple([0] * len(prompt_ids) + [1] * len(ids)))
 
 
-def load_examples(algorithm: str, files: Sequence[str], tokenizer: Any, settings: OfflineSettings,
+def load_examples(algorithm: str, files: Sequence[str], tokenizer: Any, settings: Any,
                   *, prompt_key: str = "prompt",
                   use_chat_template: bool = False) -> list[OfflineExample]:
     """Read and tokenise every example of `files` for `algorithm` ('sft', 'dpo' or 'kto')."""
