@@ -38,6 +38,8 @@ from rlhf_megatron.controller.worker_group import wait_all
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_batch import (
+    episode_scores,
+    group_metrics,
     groups_to_batch,
     split_by_staleness,
 )
@@ -59,13 +61,26 @@ class AsyncRollout:
     def _wait(self, refs: list[Any], call: str) -> list[Any]:
         return wait_all(refs, self.names, call, timeout_s=CALL_TIMEOUT_S)
 
+    def _shares(self, items: Sequence[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+        """Each engine's items: by key, so a key always goes to the same engine."""
+        shares: list[list[tuple[int, Any]]] = [[] for _ in self.handles]
+        for key, item in items:
+            shares[key % len(self.handles)].append((key, item))
+        return shares
+
     def submit(self, items: Sequence[tuple[int, list[int]]], sampling: SamplingSettings,
                seed: int) -> None:
-        shares: list[list[tuple[int, list[int]]]] = [[] for _ in self.handles]
-        for key, ids in items:
-            shares[key % len(self.handles)].append((key, ids))
+        """Groups of `sampling.n` responses to (key, prompt ids)."""
         self._wait([h.submit.remote(share, sampling, seed)
-                    for h, share in zip(self.handles, shares, strict=True)], "rollout.submit")
+                    for h, share in zip(self.handles, self._shares(items), strict=True)],
+                   "rollout.submit")
+
+    def submit_episodes(self, items: Sequence[tuple[int, dict]], env_cfg: Any,
+                        sampling: SamplingSettings, seed: int) -> None:
+        """Groups of `sampling.n` multi-turn episodes of (key, sample)."""
+        self._wait([h.submit_episodes.remote(share, env_cfg, sampling, seed)
+                    for h, share in zip(self.handles, self._shares(items), strict=True)],
+                   "rollout.submit_episodes")
 
     def counts(self) -> list[dict[str, int]]:
         return self._wait([h.counts.remote() for h in self.handles], "rollout.counts")
@@ -104,11 +119,19 @@ class AsyncRollout:
 
 
 def _submit(run: Run, rollout: AsyncRollout, stream: PromptStream, count: int) -> None:
-    """Submit the stream's next `count` prompts (a resumed run's pending ones first)."""
-    if count > 0:
-        items = stream.take(count)
-        rollout.submit([(key, ids) for key, (_, ids) in items], run.cfg.rollout.sampling,
-                       run.cfg.trainer.seed)
+    """Submit the stream's next `count` prompts (a resumed run's pending ones first): as
+    prompt ids, or with an environment as the samples its episodes start from."""
+    if count <= 0:
+        return
+    items, cfg = stream.take(count), run.cfg
+    if cfg.environment.enabled:
+        rollout.submit_episodes([(key, {"prompt": row.prompt, "answer": row.answer,
+                                        "data_source": row.data_source})
+                                 for key, (row, _) in items], cfg.environment,
+                                cfg.rollout.sampling, cfg.trainer.seed)
+    else:
+        rollout.submit([(key, ids) for key, (_, ids) in items], cfg.rollout.sampling,
+                       cfg.trainer.seed)
 
 
 def _top_up(run: Run, rollout: AsyncRollout, stream: PromptStream, target: int) -> None:
@@ -161,9 +184,15 @@ class StreamSource:
         metrics["async/dropped_total"] = self.dropped_total
         batch = groups_to_batch(groups)
         metrics.update(_batch_metrics(batch, groups))
-        rows = [stream.item(g.key)[0] for g in groups]
-        return StepRollout(batch, phases.score_async(run, batch, rows), metrics,
-                           keys=[g.key for g in groups], dropped=dropped)
+        if run.cfg.environment.enabled:  # each episode's reward came back with it
+            scores, turn_rewards = episode_scores(groups, batch.input_ids.shape[1])
+            batch = batch.with_fields(episode_rewards=turn_rewards)
+            metrics.update(group_metrics(groups))
+            future = phases.done(scores)
+        else:
+            future = phases.score_async(run, batch, [stream.item(g.key)[0] for g in groups])
+        return StepRollout(batch, future, metrics, keys=[g.key for g in groups],
+                           dropped=dropped)
 
     def before_refit(self, timer: PhaseTimer) -> None:
         if self.run.cfg.trainer.rollout_mode == "one_step_off":

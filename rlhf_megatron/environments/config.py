@@ -32,13 +32,14 @@ class EnvironmentConfig:
 
     def validate(self, train_cfg: Any = None) -> None:
         """Check the limits, that the environment class loads, and (given the whole TrainConfig)
-        that the run uses what episodes support: sync rollouts, no dynamic sampling, no reward
-        model (one-line ConfigError)."""
+        that the run uses what episodes support: the async engine in the off-policy rollout
+        modes, no dynamic sampling, no reward model (one-line ConfigError)."""
         if self.path is not None and train_cfg is not None:
-            if getattr(train_cfg.trainer, "rollout_mode", "sync") != "sync":
-                raise ConfigError("environment.path needs trainer.rollout_mode=sync (episodes run "
-                                  "on the async engine with environment.engine=async, but the "
-                                  "off-policy loop's buffer and resume are per prompt)")
+            if getattr(train_cfg.trainer, "rollout_mode", "sync") != "sync" \
+                    and self.engine != "async":
+                raise ConfigError(f"environment.engine={self.engine}: trainer.rollout_mode="
+                                  f"{train_cfg.trainer.rollout_mode} streams episodes on the "
+                                  "async engine; set environment.engine=async")
             if train_cfg.algorithm.dynamic_sampling.enabled:
                 raise ConfigError("environment.path cannot be combined with "
                                   "algorithm.dynamic_sampling.enabled")

@@ -24,6 +24,8 @@ TOKEN_VERSIONS = "token_versions"
 def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
     """Rows prompt-major (group i's samples are rows i*n .. i*n+n-1), right-padded.
 
+    A multi-turn episode's record holds its whole token stream (the group's prompt is empty),
+    and its loss_mask marks the generated tokens.
     fields: rollout_logprobs (bs, S) aligned with input_ids (0 outside the response),
     prompt_index (bs,) = the group's position in `groups`, token_versions (bs, S), and the
     rows' sampling settings temperature / top_p / top_k (bs,) (groups that carry them).
@@ -40,7 +42,8 @@ def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
         p, r = len(prompt), len(sample.tokens)
         ids[row, : p + r] = torch.tensor(prompt + sample.tokens, dtype=torch.long)
         attn[row, : p + r] = 1
-        loss[row, p : p + r] = 1
+        loss[row, p : p + r] = 1 if sample.loss_mask is None else torch.tensor(
+            sample.loss_mask, dtype=torch.long)
         if r:
             lps[row, p : p + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
             versions[row, p : p + r] = torch.tensor(sample.versions, dtype=torch.long)
@@ -49,6 +52,28 @@ def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
                                          TOKEN_VERSIONS: versions})
     return batch.with_fields(**groups_sampling_fields(groups)) if any(
         g.sampling for g in groups) else batch
+
+
+def episode_scores(groups: Sequence[RolloutGroup], width: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Episode groups (rollout/async_episodes.py): the (bs,) episode rewards and the (bs, width)
+    per-turn rewards at each turn's last generated token, rows as groups_to_batch lays them."""
+    samples = [(len(g.prompt), s) for g in groups for s in g.samples]
+    turn = torch.zeros(len(samples), width, dtype=torch.float32)
+    for row, (p, sample) in enumerate(samples):
+        for pos, reward in sample.turn_rewards:
+            turn[row, p + pos] += reward
+    scores = torch.tensor([float(s.reward or 0.0) for _, s in samples], dtype=torch.float32)
+    return scores, turn
+
+
+def group_metrics(groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    """The groups' own metrics (episode/*), averaged weighted by their sample counts."""
+    weighted = [(len(g.samples), g.metrics) for g in groups if g.metrics]
+    total = sum(n for n, _ in weighted)
+    if not total:
+        return {}
+    return {k: sum(n * m[k] for n, m in weighted) / total for k in weighted[0][1]}
 
 
 def groups_sampling_fields(groups: Sequence[RolloutGroup]) -> dict[str, torch.Tensor]:

@@ -52,12 +52,21 @@ _DEAD = "rollout engine died: vLLM's engine process is gone (EngineDeadError)"
 
 @dataclass
 class SampleRecord:
-    """One response as it streams in: parallel lists, one entry per response token."""
+    """One response as it streams in: parallel lists, one entry per response token. A
+    multi-turn episode's record (rollout/async_episodes.py) holds its whole token stream
+    instead, with `loss_mask` 1 on the tokens the model generated (version -1 elsewhere), and
+    its rewards."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    loss_mask: list[int] | None = None
+    """Episodes: 1 on generated tokens; None: every token is a generated response token."""
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    """Episodes: (position in `tokens` of a turn's last generated token, its reward)."""
+    reward: float | None = None
+    """Episodes: the summed turn rewards (the sequence score)."""
 
 
 @dataclass
@@ -74,16 +83,18 @@ class RolloutGroup:
     submitted_version: int
     sampling: SamplingSettings | None = None
     """What the samples were drawn with (their batch rows carry it; data/sampling.py)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Episodes: the group's episode/* metrics (rollout/episodes.py episode_metrics)."""
 
     @property
     def oldest_version(self) -> int:
         """The oldest weight version that produced any of its tokens (its staleness anchor)."""
-        versions = [v for s in self.samples for v in s.versions]
+        versions = [v for s in self.samples for v in s.versions if v >= 0]
         return min(versions) if versions else self.submitted_version
 
     @property
     def versions_spanned(self) -> int:
-        return len({v for s in self.samples for v in s.versions})
+        return len({v for s in self.samples for v in s.versions if v >= 0})
 
 
 class AsyncRolloutEngine:
@@ -182,6 +193,25 @@ class AsyncRolloutEngine:
                seed: int | None) -> None:
         """Start generating `sampling.n` samples for each (key, prompt ids); returns at once.
         Sample j of prompt `key` is seeded prompt_seed(seed, key) + j (None: unseeded)."""
+        for _, prompt in items:
+            self._check_prompt(prompt, sampling)
+        self._admit([(key, list(prompt)) for key, prompt in items], sampling)
+        for key, prompt in items:
+            self._loop.call_soon_threadsafe(self._spawn, key, self._generate_group(
+                list(prompt), sampling, seed, key))
+
+    def submit_episodes(self, items: Sequence[tuple[int, dict[str, Any]]], episodes: Any,
+                        sampling: SamplingSettings, seed: int | None) -> None:
+        """Start `sampling.n` multi-turn episodes for each (key, sample) with `episodes` (a
+        rollout.async_episodes.EpisodeGroups); returns at once. A finished group's records hold
+        whole episodes (SampleRecord) and its metrics the episode/* ones."""
+        self._admit([(key, []) for key, _ in items], sampling)
+        for key, sample in items:
+            self._loop.call_soon_threadsafe(self._spawn, key, episodes.run_group(
+                sample, sampling, None if seed is None else prompt_seed(seed, key)))
+
+    def _admit(self, items: Sequence[tuple[int, list[int]]], sampling: SamplingSettings) -> None:
+        """Register groups in flight, within the buffer's capacity."""
         sampling.validate()
         self._check_ready()
         with self._cond:
@@ -191,22 +221,19 @@ class AsyncRolloutEngine:
                 raise ConfigError(f"async rollout buffer full: {load} groups > capacity "
                                   f"{self.capacity}")
             for key, prompt in items:
-                self._check_prompt(prompt, sampling)
                 if key in self._in_flight:
                     raise ValueError(f"prompt key {key} is already in flight")
-                self._in_flight[key] = RolloutGroup(key, list(prompt), [], self.weight_version,
+                self._in_flight[key] = RolloutGroup(key, prompt, [], self.weight_version,
                                                     sampling)
-        for key, prompt in items:
-            self._loop.call_soon_threadsafe(self._spawn, key, list(prompt), sampling, seed)
 
-    def _spawn(self, key: int, prompt: list[int], sampling: SamplingSettings,
-               seed: int | None) -> None:
-        self._loop.create_task(self._run_group(key, prompt, sampling, seed))
+    def _spawn(self, key: int, work: Coroutine) -> None:
+        self._loop.create_task(self._run_group(key, work))
 
-    async def _run_group(self, key: int, prompt: list[int], sampling: SamplingSettings,
-                         seed: int | None) -> None:
+    async def _run_group(self, key: int, work: Coroutine) -> None:
+        """Await a group's samples (`work`: a list of records, or (records, metrics)) and buffer
+        the finished group."""
         try:
-            samples = await self._generate_group(prompt, sampling, seed, key)
+            result = await work
         except BaseException as exc:  # an engine that dies must end the run, not hang it
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             if type(exc).__name__ == "EngineDeadError":
@@ -215,9 +242,10 @@ class AsyncRolloutEngine:
                 self._error = f"rollout engine failed: {type(exc).__name__}: {first}"
                 self._cond.notify_all()
             return
+        samples, metrics = result if isinstance(result, tuple) else (result, {})
         with self._cond:
             group = self._in_flight.pop(key)
-            group.samples = samples
+            group.samples, group.metrics = samples, metrics
             self._done.append(group)
             self._cond.notify_all()
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.environments.config import EnvironmentConfig
+from rlhf_megatron.rollout.async_engine import SampleRecord
 from rlhf_megatron.rollout.episodes import (
     ChatFormat,
     Episode,
@@ -83,7 +84,8 @@ class AsyncEpisodeRunner(EpisodeRunner):
             max_tokens=self._budget(e), logprobs=0, stop_token_ids=list(s.stop_token_ids),
             seed=seed, output_kind=RequestOutputKind.DELTA)
         record = await self.engine.generate_turn(list(e.ids), params)
-        return TurnOutput(record.tokens, record.logprobs, str(record.finish_reason))
+        return TurnOutput(record.tokens, record.logprobs, str(record.finish_reason),
+                          record.versions)
 
 
 def run_episodes_on_async_engine(engine: Any, cfg: EnvironmentConfig,
@@ -102,3 +104,37 @@ def run_episodes_on_async_engine(engine: Any, cfg: EnvironmentConfig,
     for i, e in enumerate(episodes):
         e.sample_index = first_prompt + i // sampling.n
     return episodes_to_batch(episodes, sampling), episode_metrics(episodes)
+
+
+class EpisodeGroups:
+    """Multi-turn episodes as the async engine's stream groups (trainer.rollout_mode
+    one_step_off / async): a group is one sample's ``sampling.n`` episodes, run concurrently on
+    the engine's loop; its records hold each episode's whole token stream (opening prompt,
+    generated turns, observations) with its loss mask, behaviour log-probs, per-token weight
+    versions (-1 on tokens the model did not write), turn rewards and reward. Episodes that cross
+    a refit continue on the new weights (their versions say which tokens are whose)."""
+
+    def __init__(self, engine: Any, cfg: EnvironmentConfig) -> None:
+        import transformers
+
+        from rlhf_megatron.environments.loader import load_environment
+
+        self.engine, self.cfg = engine, cfg
+        self.chat = ChatFormat(transformers.AutoTokenizer.from_pretrained(str(engine.hf_dir)))
+        self.env_cls = load_environment(cfg.path)
+
+    async def run_group(self, sample: dict[str, Any], sampling: Any,
+                        seed: int | None) -> tuple[list[Any], dict[str, float]]:
+        """The group's records (rollout.async_engine.SampleRecord) and its episode metrics.
+        Episode j of the group samples from seed + j * 100_003 + turn * 7919."""
+        seeded = dataclasses.replace(sampling, seed=seed)
+        runner = AsyncEpisodeRunner(self.env_cls, self.cfg, self.chat, self.engine, seeded)
+        episodes = await runner.run_async([sample] * sampling.n)
+        records = []
+        for e in episodes:
+            versions = e.versions + [-1] * (len(e.ids) - len(e.versions))
+            records.append(SampleRecord(list(e.ids), list(e.logprobs), versions,
+                                        "length" if e.truncated else "stop",
+                                        loss_mask=list(e.loss_mask),
+                                        turn_rewards=list(e.turn_rewards), reward=e.reward))
+        return records, episode_metrics(episodes)

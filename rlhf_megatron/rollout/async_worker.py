@@ -12,6 +12,7 @@ from typing import Any
 
 from rlhf_megatron.rollout.async_batch import groups_to_result
 from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine, RolloutGroup
+from rlhf_megatron.rollout.async_episodes import EpisodeGroups
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 
 
@@ -29,11 +30,21 @@ class AsyncRolloutWorker:
         set_threads(threads)
         self.engine = AsyncRolloutEngine(hf_dir, config, capacity=capacity)
         self._broadcast: dict[tuple[str, int], Any] = {}
+        self._episodes: EpisodeGroups | None = None
 
     # generation -----------------------------------------------------------------
     def submit(self, items: Sequence[tuple[int, Sequence[int]]], sampling: SamplingSettings,
                seed: int | None) -> int:
         self.engine.submit(items, sampling, seed)
+        return len(items)
+
+    def submit_episodes(self, items: Sequence[tuple[int, dict]], env_cfg: Any,
+                        sampling: SamplingSettings, seed: int | None) -> int:
+        """Multi-turn episode groups into the buffer (rollout/async_episodes.EpisodeGroups; the
+        environment class and the chat template are loaded on the first call)."""
+        if self._episodes is None:
+            self._episodes = EpisodeGroups(self.engine, env_cfg)
+        self.engine.submit_episodes(items, self._episodes, sampling, seed)
         return len(items)
 
     def take(self, count: int, timeout: float | None = None) -> list[RolloutGroup]:

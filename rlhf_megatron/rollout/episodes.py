@@ -87,11 +87,13 @@ class ChatFormat:
 
 @dataclass
 class TurnOutput:
-    """One generated assistant turn: vLLM's ids, their log-probs and finish reason."""
+    """One generated assistant turn: vLLM's ids, their log-probs and finish reason, and (async
+    engine) the weight version of each id."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    versions: list[int] | None = None
 
 
 TurnGenerator = Callable[[list[list[int]], list[int]], list[TurnOutput]]
@@ -108,6 +110,9 @@ class Episode:
     loss_mask: list[int]
     logprobs: list[float]
     env: Environment
+    versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each generated id, -1 elsewhere (aligned with ``ids``;
+    filled by the async engine's turns, else empty)."""
     turns: int = 0
     reward: float = 0.0
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)
@@ -168,6 +173,8 @@ class EpisodeRunner:
 
     def _record_turn(self, e: Episode, out: TurnOutput) -> str:
         """Append vLLM's ids and log-probs as they are; the text for the environment only."""
+        if out.versions is not None:
+            e.versions += [-1] * (len(e.ids) - len(e.versions)) + list(out.versions)
         e.ids += out.token_ids
         e.loss_mask += [1] * len(out.token_ids)
         e.logprobs += list(out.logprobs)

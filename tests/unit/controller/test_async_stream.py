@@ -9,6 +9,8 @@ from rlhf_megatron.controller.async_stream import PromptStream
 from rlhf_megatron.data.prompts import PromptLoader
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.rollout.async_batch import (
+    episode_scores,
+    group_metrics,
     groups_to_batch,
     logprob_diff_by_lag,
     split_by_staleness,
@@ -85,6 +87,37 @@ def test_groups_to_batch_aligns_logprobs_and_versions():
     diffs = logprob_diff_by_lag(batch, old, trainer_version=1)
     assert diffs["rollout/logprob_diff_lag1"] == pytest.approx(0.4)
     assert diffs["rollout/logprob_diff_lag0"] == pytest.approx(0.0)
+
+
+def _episode(ids: list[int], mask: list[int], versions: list[int],
+             turn_rewards: list[tuple[int, float]]) -> SampleRecord:
+    return SampleRecord(ids, [-0.25 * m for m in mask], versions, "stop", loss_mask=mask,
+                        turn_rewards=turn_rewards, reward=sum(r for _, r in turn_rewards))
+
+
+def test_episode_groups_become_rows_with_their_masks_versions_and_turn_rewards():
+    # A tool call (ids 11, 12) sampled at version 2, the tool's output (13, 14), then the answer
+    # (15) after a refit: version 3. The prompt (5, 6) is part of each episode's own stream.
+    crossed = _episode([5, 6, 11, 12, 13, 14, 15], [0, 0, 1, 1, 0, 0, 1],
+                       [-1, -1, 2, 2, -1, -1, 3], [(6, 1.0)])
+    short = _episode([5, 6, 11], [0, 0, 1], [-1, -1, 3], [(2, 0.5)])
+    groups = [RolloutGroup(4, [], [crossed, short], submitted_version=2,
+                           metrics={"episode/tool_use_rate": 0.5}),
+              RolloutGroup(8, [], [short, short], submitted_version=3,
+                           metrics={"episode/tool_use_rate": 0.0})]
+    assert groups[0].oldest_version == 2 and groups[0].versions_spanned == 2  # -1 is no version
+    batch = groups_to_batch(groups)
+    assert batch.input_ids[0].tolist() == [5, 6, 11, 12, 13, 14, 15]
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 1]  # the tool's output untrained
+    assert batch.loss_mask[1].tolist() == [0, 0, 1, 0, 0, 0, 0]
+    assert batch.fields["token_versions"][0].tolist() == [-1, -1, 2, 2, -1, -1, 3]
+    assert batch.prompt_index.tolist() == [0, 0, 1, 1]
+    scores, turns = episode_scores(groups, batch.input_ids.shape[1])
+    assert scores.tolist() == [1.0, 0.5, 0.5, 0.5]
+    assert turns[0].tolist() == [0, 0, 0, 0, 0, 0, 1.0] and turns[1, 2] == 0.5
+    assert group_metrics(groups) == {"episode/tool_use_rate": 0.25}
+    split = split_by_staleness(groups, trainer_version=3, max_staleness=1)
+    assert split.metrics["async/partial_frac"] == 0.5 and not split.dropped
 
 
 @pytest.mark.parametrize("changes, needle", [
