@@ -18,7 +18,10 @@ never leaves a half checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,28 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+@contextlib.contextmanager
+def _in_process_write_results() -> Iterator[None]:
+    """Megatron's torch_dist writer hands its write results to the process that finalizes the
+    save through a queue it makes once per process from a *spawned* multiprocessing Manager, for
+    its asynchronous saves. Ours are synchronous: the writer's results are put and taken in this
+    process (AsyncRequest.execute_sync), so a thread queue carries them. The Manager cost ~2 s
+    of the first save on each rank (a fresh interpreter importing torch to unpickle the results)
+    and another process; the files written are the same. Without the attribute (another
+    Megatron version) the save runs unchanged."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
 def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> Path:
     """Save model (+ optimizer, scheduler, RNG) to `directory` atomically; returns the path."""
     from megatron.core import dist_checkpointing
@@ -72,7 +97,8 @@ def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> 
     if engine.optimizer is not None:
         state["optimizer"] = sharded_optimizer_state(engine.optimizer, dict(state),
                                                      is_loading=False)
-    dist_checkpointing.save(state, str(staging))
+    with _in_process_write_results():
+        dist_checkpointing.save(state, str(staging))
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), staging / "rng" / f"rank_{rank}.pt")
     if rank == 0:
