@@ -93,9 +93,10 @@ def train_in_process(overrides: list[str], capfd, config: Path = CONFIG
     return subprocess.CompletedProcess(["rlhf-megatron", "train"], code, out, err)
 
 
-def start_train(overrides: list[str], log: Path) -> subprocess.Popen:
+def start_train(overrides: list[str], log: Path, config: Path = CONFIG) -> subprocess.Popen:
+    """The CLI in a subprocess of its own session (its own Ray cluster), output to `log`."""
     handle = log.open("w")
-    return subprocess.Popen(train_command(overrides), cwd=REPO, stdout=handle,
+    return subprocess.Popen(train_command(overrides, config), cwd=REPO, stdout=handle,
                             stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
 
 

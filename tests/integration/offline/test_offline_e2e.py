@@ -16,6 +16,9 @@ last 5 steps: see docs/ALGORITHMS.md (offline section).
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_megatron.controller.lifecycle import EXIT_PREEMPTED
 from rlhf_megatron.offline.quickstart import prepare
-from rlhf_megatron.testing.train_runs import REPO, RayHead, read_metrics, run_train, window_means
+from rlhf_megatron.testing.train_runs import (
+    REPO,
+    RayHead,
+    last_line,
+    read_metrics,
+    run_train,
+    start_train,
+    wait_until,
+    window_means,
+)
 
 STEPS = 30
 HALF = 15
@@ -56,10 +69,18 @@ def _train(alg: str, assets: Path, run_dir: Path, head: RayHead, **extra: object
     return result
 
 
+@pytest.fixture(scope="module")
+def sft_run(assets, head, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("sft") / "run"
+    _train("sft", assets, run_dir, head)
+    return run_dir
+
+
 @pytest.mark.parametrize("alg", ["sft", "kto"])
-def test_sft_and_kto_loss_falls(alg, assets, head, tmp_path):
-    run_dir = tmp_path / alg
-    _train(alg, assets, run_dir, head)
+def test_sft_and_kto_loss_falls(alg, assets, head, tmp_path, request):
+    run_dir = request.getfixturevalue("sft_run") if alg == "sft" else tmp_path / alg
+    if alg != "sft":
+        _train(alg, assets, run_dir, head)
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     first, last = window_means(records, "loss", WINDOW)
@@ -109,3 +130,35 @@ def test_dpo_resumes_and_its_export_reproduces_the_trainer_logprobs(assets, head
     hf[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     assert mask.sum() > 0
     torch.testing.assert_close(hf * mask, dumped["fields"]["logprobs"] * mask, atol=2e-5, rtol=0)
+
+
+def test_dpo_from_the_sft_checkpoint_stops_on_sigterm_and_resumes(sft_run, assets, head,
+                                                                   tmp_path):
+    """SFT -> DPO through the one loop: DPO starts from the SFT run's Megatron checkpoint; a
+    SIGTERM mid-run saves the step reached and exits 75 (as an RL run does), and the resumed run
+    finishes from there with the stored reference log-probs."""
+    steps, run_dir, log = 8, tmp_path / "dpo_after_sft", tmp_path / "dpo.log"
+    sft = sft_run / "checkpoints" / f"step_{STEPS:08d}" / "actor"
+    values = {"model.path": sft, "data.train_files": f"[{assets / 'dpo.jsonl'}]",
+              "trainer.run_dir": run_dir, "trainer.total_steps": steps,
+              "trainer.save_every": 0, "metrics.plot": "false", "metrics.console": "false",
+              "metrics.progress_bar": "false"}
+    overrides = [f"{k}={v}" for k, v in values.items()]
+    config = REPO / "configs" / "quickstart_dpo_cpu.yaml"
+    process = start_train(overrides, log, config)  # its own Ray cluster
+    wait_until(lambda: len(read_metrics(run_dir)) >= 2, process, timeout=300)
+    os.kill(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=90) == EXIT_PREEMPTED, log.read_text()[-3000:]
+    line = last_line(log.read_text())
+    match = re.match(r"rlhf-megatron: stopped by SIGTERM after step (\d+); checkpoint (\S+);",
+                     line)
+    assert match, line
+    stopped = int(match.group(1))
+    assert 2 <= stopped < steps and Path(match.group(2)).name == f"step_{stopped:08d}"
+    assert (Path(match.group(2)) / "offline_reference.pt").is_file()
+    first = read_metrics(run_dir)
+    assert first[0]["loss"] == pytest.approx(0.693147, abs=1e-5)  # the SFT policy is the reference
+    result = run_train([*overrides, "trainer.resume=auto"], head=head, timeout=600, config=config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {stopped + 1}" in result.stderr and "reference log-probs" not in result.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
