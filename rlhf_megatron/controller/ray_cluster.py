@@ -93,6 +93,13 @@ def start_ray(cfg: TrainConfig, plan: DevicePlan) -> None:
            # vLLM warns on every in-place weight reload ("RotaryEmbedding: Failed to load
            # weights": it has none); keep its log to errors unless asked otherwise.
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
+    if not current_platform().is_cuda:
+        # vLLM compiles its sampler's log-prob gather (inductor) at the first generate, and
+        # inductor first proves each vector ISA the CPU flags list by building and loading a
+        # test library in ten child interpreters (~1 s a worker). With the pinned gcc the
+        # proven list equals the flags' list (checked on an AVX-512/AMX machine: same list,
+        # same pick), so take the flags' word; export TORCHINDUCTOR_VEC_ISA_OK= to decide.
+        env["TORCHINDUCTOR_VEC_ISA_OK"] = os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "1")
     runtime_env = {"env_vars": env}
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
