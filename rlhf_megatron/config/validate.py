@@ -110,8 +110,6 @@ def _check_algorithm(cfg: TrainConfig) -> None:
     if alg.policy_loss_config.tis_cap is not None and alg.rollout_correction.is_level:
         raise ConfigError("algorithm.policy_loss_config.tis_cap and algorithm.rollout_correction."
                           "is_level are both set: use one IS weight")
-    if alg.dynamic_sampling.enabled and getattr(cfg.trainer, "rollout_mode", "sync") != "sync":
-        raise ConfigError("algorithm.dynamic_sampling.enabled needs trainer.rollout_mode=sync")
     overlong = alg.overlong_shaping
     max_length = overlong.max_length or cfg.rollout.sampling.max_tokens
     if overlong.buffer > max_length:

@@ -29,6 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from rlhf_megatron.algorithms.dapo import informative_groups
 from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.async_stream import PromptStream, pipeline_depth
 from rlhf_megatron.controller.metrics import PhaseTimer
@@ -139,12 +142,12 @@ def _top_up(run: Run, rollout: AsyncRollout, stream: PromptStream, target: int) 
     _submit(run, rollout, stream, target - rollout.outstanding())
 
 
-def _collect(run: Run, rollout: AsyncRollout, stream: PromptStream, trainer_version: int
-             ) -> tuple[list[RolloutGroup], list[int], dict[str, float]]:
-    """prompts_per_step fresh-enough groups, the keys of the stale ones dropped (and replaced),
-    and the staleness metrics."""
+def _collect(run: Run, rollout: AsyncRollout, stream: PromptStream, trainer_version: int,
+             count: int) -> tuple[list[RolloutGroup], list[int], dict[str, float]]:
+    """`count` fresh-enough groups, the keys of the stale ones dropped (and replaced), and the
+    staleness metrics."""
     trainer = run.cfg.trainer
-    pps = run.cfg.data.prompts_per_step
+    pps = count
     kept: list[RolloutGroup] = []
     dropped: list[int] = []
     metrics: dict[str, float] = {}
@@ -177,22 +180,75 @@ class StreamSource:
         _top_up(self.run, self.rollout, self.stream, self.run.cfg.data.prompts_per_step)
 
     def next_batch(self, step: int) -> StepRollout:
-        run, stream = self.run, self.stream
-        groups, dropped, metrics = _collect(run, self.rollout, stream, run.weight_version)
-        _top_up(run, self.rollout, stream, self.depth * run.cfg.data.prompts_per_step)
+        run, stream, pps = self.run, self.stream, self.run.cfg.data.prompts_per_step
+        groups, dropped, metrics = _collect(run, self.rollout, stream, run.weight_version, pps)
+        scores = None
+        if run.cfg.algorithm.dynamic_sampling.enabled:
+            groups, scores, filtered, dapo = self._informative(groups)
+            dropped, metrics = dropped + filtered, {**metrics, **dapo}
+        _top_up(run, self.rollout, stream, self.depth * pps)
         self.dropped_total += metrics["async/dropped_groups"]
         metrics["async/dropped_total"] = self.dropped_total
         batch = groups_to_batch(groups)
         metrics.update(_batch_metrics(batch, groups))
         if run.cfg.environment.enabled:  # each episode's reward came back with it
-            scores, turn_rewards = episode_scores(groups, batch.input_ids.shape[1])
-            batch = batch.with_fields(episode_rewards=turn_rewards)
+            batch = batch.with_fields(episode_rewards=episode_scores(
+                groups, batch.input_ids.shape[1])[1])
             metrics.update(group_metrics(groups))
-            future = phases.done(scores)
-        else:
-            future = phases.score_async(run, batch, [stream.item(g.key)[0] for g in groups])
+        future = phases.done(scores) if scores is not None else self._score(groups, batch)
         return StepRollout(batch, future, metrics, keys=[g.key for g in groups],
                            dropped=dropped)
+
+    def _score(self, groups: list[RolloutGroup], batch: Any) -> Any:
+        """The groups' (bs,) sequence rewards as a Future: an episode's came back with it, a
+        single-turn response is scored by the rewards."""
+        if self.run.cfg.environment.enabled:
+            return phases.done(episode_scores(groups, batch.input_ids.shape[1])[0])
+        rows = [self.stream.item(g.key)[0] for g in groups]
+        return phases.score_async(self.run, batch, rows)
+
+    def _informative(self, groups: list[RolloutGroup]
+                     ) -> tuple[list[RolloutGroup], torch.Tensor, list[int], dict[str, float]]:
+        """DAPO's filter over the stream (dynamic_sampling.py has the rounds of the sync
+        modes): groups whose rewards are all equal are set aside and replaced by the stream's
+        next groups, up to algorithm.dynamic_sampling.max_rounds takes; set-aside groups top
+        the batch up if the takes run out. Returns the batch's groups, their scores, the keys
+        set aside or dropped as stale meanwhile (no longer pending) and the metrics."""
+        run, pps = self.run, self.run.cfg.data.prompts_per_step
+        max_rounds = run.cfg.algorithm.dynamic_sampling.max_rounds
+        kept: list[tuple[RolloutGroup, torch.Tensor]] = []
+        spare: list[tuple[RolloutGroup, torch.Tensor]] = []
+        scored: list[torch.Tensor] = []
+        stale: list[int] = []
+        rounds = generated = 0
+        for rounds in range(1, max_rounds + 1):
+            batch = groups_to_batch(groups)
+            scores = self._score(groups, batch).result()
+            good = informative_groups(scores, batch.prompt_index)
+            for i, group in enumerate(groups):
+                rows = batch.prompt_index == i
+                (kept if bool(good[rows].all()) else spare).append((group, scores[rows]))
+            scored.append(scores)
+            generated += len(groups)
+            if len(kept) >= pps or rounds == max_rounds:
+                break
+            _submit(run, self.rollout, self.stream, pps - len(kept))
+            groups, dropped, _ = _collect(run, self.rollout, self.stream, run.weight_version,
+                                          pps - len(kept))
+            stale += dropped
+        chosen = kept + spare[:pps - len(kept)]
+        set_aside = [g.key for g, _ in spare[pps - len(kept):]]
+        self.stream.trained(set_aside)
+        metrics = {
+            "dynamic_sampling/rounds": float(rounds),
+            "dynamic_sampling/drop_rate": (generated - len(kept)) / max(generated, 1),
+            "dynamic_sampling/kept_groups": float(len(kept)),
+            "dynamic_sampling/filled_groups": float(len(chosen) - len(kept)),
+            "dynamic_sampling/reward_mean_generated": float(torch.cat(scored).float().mean()),
+        }
+        return ([g for g, _ in chosen], torch.cat([s for _, s in chosen]), set_aside + stale,
+                metrics)
+
 
     def before_refit(self, timer: PhaseTimer) -> None:
         if self.run.cfg.trainer.rollout_mode == "one_step_off":

@@ -26,8 +26,15 @@ def odd_first_char(responses, answers, **kwargs):
 '''
 
 
-@pytest.fixture(scope="module")
-def dapo_run(tmp_path_factory: pytest.TempPathFactory, head) -> tuple[Path, list[dict]]:
+ASYNC = {"trainer.rollout_mode": "async", "trainer.max_staleness": 1, "resources.mode": "split",
+         "resources.devices_per_node": 2, "resources.actor_devices": 1,
+         "resources.rollout_devices": 1, "actor.layout.tp": 1}
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def dapo_run(request, tmp_path_factory: pytest.TempPathFactory, head) -> tuple[Path, list[dict]]:
+    """One DAPO run per rollout mode: sync (rounds of new prompts) and async (the filter over
+    the stream: set-aside groups are replaced by the stream's next ones)."""
     assets = prepare(tmp_path_factory.mktemp("dapo_assets"))
     (assets / "rewards.py").write_text(REWARD_SOURCE)
     run_dir = tmp_path_factory.mktemp("dapo")
@@ -38,7 +45,8 @@ def dapo_run(tmp_path_factory: pytest.TempPathFactory, head) -> tuple[Path, list
         "reward.custom_function": f"{assets / 'rewards.py'}:odd_first_char",
         "algorithm.dynamic_sampling.max_rounds": 8, "algorithm.overlong_shaping.buffer": BUFFER,
         "trainer.total_steps": STEPS, "trainer.val_every": 0,
-        "trainer.dump_batch_steps": f"[{','.join(str(s) for s in range(1, STEPS + 1))}]"})
+        "trainer.dump_batch_steps": f"[{','.join(str(s) for s in range(1, STEPS + 1))}]",
+        **(ASYNC if request.param == "async" else {})})
     result = run_train(overrides, timeout=900, config=CONFIG, head=head)
     assert result.returncode == 0, result.stderr[-4000:]
     return run_dir, read_metrics(run_dir)
@@ -77,3 +85,23 @@ def test_overlong_shaping_reaches_the_token_rewards(dapo_run) -> None:
         assert r["reward/overlong_penalty"] == pytest.approx(float(penalty.mean()), abs=1e-6)
         penalised += int((penalty > 0).sum())
     assert penalised > 0  # some responses were long enough to pay
+
+
+def test_async_dapo_trains_or_sets_aside_every_prompt_once(dapo_run) -> None:
+    """The async stream's bookkeeping under the filter: each step trains PROMPTS keys, the
+    groups it set aside (or dropped as stale) are never trained, and no key is lost or seen
+    twice (<run_dir>/async_prompts.jsonl; a sync run has no stream)."""
+    import json
+
+    run_dir, records = dapo_run
+    log = run_dir / "async_prompts.jsonl"
+    streamed = "async/dropped_total" in records[0]
+    assert log.exists() == streamed
+    if not streamed:
+        return
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
+    seen = [k for line in lines for k in line["keys"] + line["dropped"]]
+    assert all(len(line["keys"]) == PROMPTS for line in lines)
+    assert len(seen) == len(set(seen)) and sorted(seen) == list(range(len(seen)))
+    assert sum(len(line["dropped"]) for line in lines) > 0  # the filter set some aside
