@@ -46,6 +46,8 @@ SYSTEM = {  # whole-system runs: SLURM, preemption and kill -9 of a real run
         "kill -9 of a run mid-save, then resume against an uninterrupted run",
     "test_controller_faults.py::test_killed_worker_ends_the_run_naming_it":
         "a Ray worker killed -9 mid-step",
+    "test_off_policy_modes.py::test_one_step_off_ppo_with_validation_resumes_after_kill_9":
+        "kill -9 of a one_step_off PPO run, then resume (~55 s)",
 }
 SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many layouts
     "test_async_e2e.py": "one_step_off and async learning runs (~160 s)",
@@ -55,7 +57,8 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
     "test_offline_e2e.py": "SFT, KTO, DPO runs (~100 s)",
     "test_context_parallel_grpo.py": "CP2 and CP1 GRPO runs (~75 s)",
     "test_resume_other_layout.py": "a run and its resume at another layout (~60 s)",
-    "test_dapo_e2e.py": "a DAPO run",
+    "test_dapo_e2e.py": "a DAPO run per rollout mode (sync, async)",
+    "test_off_policy_modes.py": "async with max_staleness 2 (~20 s)",
     "test_moe_grpo_e2e.py": "a MoE GRPO run",
     "test_train_from_checkpoint.py": "a run from a converted checkpoint",
     "test_engine_state.py": "engine save/load at several layouts (~65 s)",
@@ -99,6 +102,7 @@ FILE_SECONDS = {
     "test_logprob_drift_e2e.py": 99, "test_sampled_distribution.py": 89,
     "test_gpu_check_small.py": 88, "test_refit.py": 83, "test_moe_grpo_e2e.py": 82,
     "test_controller_learning.py": 75, "test_resume_other_layout.py": 73,
+    "test_off_policy_modes.py": 80,
     "test_convert_cli.py": 64, "test_slurm_launch.py": 62, "test_layout_parity.py": 70,
     "test_actor_engine.py": 49, "test_async_rollout.py": 47,
     "test_moe_parity.py": 46, "test_dapo_e2e.py": 45, "test_moe_refit.py": 41,
