@@ -25,6 +25,12 @@ from rlhf_megatron.data.packing import (
     round_up,
     split_by_token_budget,
 )
+from rlhf_megatron.engines.checkpoint import (
+    load_engine_checkpoint,
+    load_model_weights,
+    save_engine_checkpoint,
+    unwrap,
+)
 from rlhf_megatron.engines.config import EngineConfig, distributed_optimizer_enabled
 from rlhf_megatron.engines.context_parallel import CpSplit, context_parallel_group
 from rlhf_megatron.engines.offload import Offloader
@@ -146,8 +152,6 @@ class MegatronEngine:
 
         chunks = build_model_chunks(self.args)
         if self.from_dist_checkpoint:
-            from rlhf_megatron.engines.checkpoint import load_model_weights
-
             self.chunks = chunks
             load_model_weights(self, self.hf_dir)
         else:
@@ -390,13 +394,9 @@ class MegatronEngine:
         self._offloader.onload()
 
     def save_checkpoint(self, directory: str | Path, *, step: int) -> Path:
-        from rlhf_megatron.engines.checkpoint import save_engine_checkpoint
-
         return save_engine_checkpoint(self, directory, step=step)
 
     def load_checkpoint(self, directory: str | Path, *, load_optimizer: bool = True) -> int:
-        from rlhf_megatron.engines.checkpoint import load_engine_checkpoint
-
         return load_engine_checkpoint(self, directory, load_optimizer=load_optimizer)
 
     # ------------------------------------------------------------------ collectives
@@ -505,10 +505,3 @@ def _thd_params(packed: PackedRows, device: torch.device, *, cp: bool = False) -
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
-
-
-def unwrap(chunk: Any) -> Any:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk

@@ -33,8 +33,6 @@ from rlhf_megatron.errors import ConfigError
 
 
 def _model_sharded_state(engine: Any) -> dict[str, Any]:
-    from rlhf_megatron.engines.base import unwrap
-
     chunks = [unwrap(chunk) for chunk in engine.chunks]
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
@@ -135,8 +133,6 @@ def load_model_weights(engine: Any, directory: str | Path) -> None:
     """Load only the model weights from any Megatron dist-checkpoint of this architecture: one
     written by `checkpoint_tools hf-to-mcore` or an engine's training checkpoint (with or without
     optimizer state), at any layout."""
-    from rlhf_megatron.engines.base import unwrap
-
     load_chunk_weights([unwrap(chunk) for chunk in engine.chunks], directory)
 
 
@@ -172,8 +168,6 @@ def load_engine_checkpoint(
         template["optimizer"] = sharded_optimizer_state(engine.optimizer, dict(template),
                                                         is_loading=True)
     loaded = dist_checkpointing.load(template, str(directory))
-    from rlhf_megatron.engines.base import unwrap
-
     chunks = [unwrap(chunk) for chunk in engine.chunks]
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys):
@@ -187,3 +181,10 @@ def load_engine_checkpoint(
     if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return int(meta["step"])
+
+
+def unwrap(chunk: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

@@ -7,6 +7,7 @@ from typing import Any
 
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.config_translation import MegatronModelArgs
+from rlhf_megatron.models.lean_spec import use_lean_local_modules
 
 # Test/debug switch for the local spec (no TE): "sdpa" (default: SDPA core attention and the
 # SwiGLU MLP without the zero-offset pass) or "megatron" (Megatron's stock local spec with its
@@ -57,32 +58,8 @@ def build_layer_spec(args: MegatronModelArgs, backend: str | None = None) -> Any
         qk_layernorm=qk_layernorm, normalization="RMSNorm"
     )
     if backend == "sdpa":
-        _use_lean_local_modules(spec)
+        use_lean_local_modules(spec)
     return spec
-
-
-def _use_lean_local_modules(spec: Any) -> None:
-    """Swap the local spec's core attention, MLP and linear layers for ours (same parameters):
-    SDPA attention, the SwiGLU MLP, and linears with a plain path at TP=1."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLP
-
-    from rlhf_megatron.models.lean_linear import LeanColumnParallelLinear, LeanRowParallelLinear
-    from rlhf_megatron.models.sdpa_attention import SDPAttention
-    from rlhf_megatron.models.swiglu_mlp import SwiGLUMLP
-
-    lean = {ColumnParallelLinear: LeanColumnParallelLinear, RowParallelLinear: LeanRowParallelLinear}
-    # The spec is built fresh by each call, so changing it here affects nobody else.
-    layer = spec.submodules
-    attention = layer.self_attention.submodules
-    attention.core_attention = SDPAttention
-    attention.linear_qkv = lean.get(attention.linear_qkv, attention.linear_qkv)
-    attention.linear_proj = lean.get(attention.linear_proj, attention.linear_proj)
-    if layer.mlp.module is MLP:  # dense models (an MoE layer keeps its own modules)
-        layer.mlp.module = SwiGLUMLP
-        mlp = layer.mlp.submodules
-        mlp.linear_fc1 = lean.get(mlp.linear_fc1, mlp.linear_fc1)
-        mlp.linear_fc2 = lean.get(mlp.linear_fc2, mlp.linear_fc2)
 
 
 def _layer_spec_for_stage(args: MegatronModelArgs, backend: str, vp_stage: int | None) -> Any:

@@ -27,6 +27,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from rlhf_megatron.models.lean_spec import use_lean_local_modules
+
 _NO_STREAM = object()
 
 
@@ -165,8 +167,6 @@ def moe_block_spec(config: Any, backend: str, *, vp_stage: int | None = None) ->
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from rlhf_megatron.models.builder import _use_lean_local_modules
-
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=backend == "te",
                                        normalization="RMSNorm", vp_stage=vp_stage)
     seen: set[int] = set()
@@ -175,7 +175,7 @@ def moe_block_spec(config: Any, backend: str, *, vp_stage: int | None = None) ->
             continue
         seen.add(id(layer_spec))
         if backend == "sdpa":
-            _use_lean_local_modules(layer_spec)
+            use_lean_local_modules(layer_spec)
         mlp = layer_spec.submodules.mlp
         if mlp.module is MoELayer:
             mlp.module = RlhfMoELayer

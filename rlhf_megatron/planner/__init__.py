@@ -6,8 +6,9 @@ searches a layout that fits, report.py renders it and command.py is the CLI.
 """
 
 from rlhf_megatron.planner.cluster import Cluster, Finding
-from rlhf_megatron.planner.plan import PlanReport, Suggestion, plan_config
+from rlhf_megatron.planner.plan import PlanReport, Suggestion
 from rlhf_megatron.planner.shapes import ModelShape, stage_params
+from rlhf_megatron.planner.suggest import plan_config
 
 __all__ = ["Cluster", "Finding", "ModelShape", "PlanReport", "Suggestion", "plan_config",
            "stage_params"]

@@ -30,8 +30,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rlhf_megatron.config import load_config, validate_config
     from rlhf_megatron.config.validate import check_finite, check_layout_values
     from rlhf_megatron.planner.cluster import Cluster, on_cluster
-    from rlhf_megatron.planner.plan import plan_config
     from rlhf_megatron.planner.report import render
+    from rlhf_megatron.planner.suggest import plan_config
 
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb)
     cfg = load_config(args.config, args.overrides)

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,14 +82,3 @@ def evaluate(cfg: TrainConfig, cluster: Cluster, shapes: dict[str, ModelShape],
         return PlanReport(cfg, cluster, shapes, tuple(findings))
     roles, phases, memory = estimate_memory(cfg, shapes, cluster)
     return PlanReport(cfg, cluster, shapes, tuple(findings + memory), roles, tuple(phases))
-
-
-def plan_config(cfg: TrainConfig, cluster: Cluster, *, suggest: bool = True) -> PlanReport:
-    """Plan `cfg` on `cluster`; when it does not fit (and `suggest`), search a layout that does."""
-    from rlhf_megatron.planner.suggest import suggest_layout
-
-    shapes, hf = model_shapes(cfg)
-    report = evaluate(cfg, cluster, shapes, hf)
-    if report.fits or not suggest:
-        return report
-    return dataclasses.replace(report, suggestion=suggest_layout(cfg, cluster, shapes, hf))

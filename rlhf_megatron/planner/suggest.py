@@ -25,7 +25,7 @@ from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.planner.checks import longest_row
 from rlhf_megatron.planner.cluster import Cluster, on_cluster
 from rlhf_megatron.planner.memory import GIB
-from rlhf_megatron.planner.plan import PlanReport, Suggestion, evaluate
+from rlhf_megatron.planner.plan import PlanReport, Suggestion, evaluate, model_shapes
 from rlhf_megatron.planner.shapes import ModelShape
 
 _UTIL_STEP = 0.05
@@ -197,3 +197,12 @@ def _yaml(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+def plan_config(cfg: TrainConfig, cluster: Cluster, *, suggest: bool = True) -> PlanReport:
+    """Plan `cfg` on `cluster`; when it does not fit (and `suggest`), search a layout that does."""
+    shapes, hf = model_shapes(cfg)
+    report = evaluate(cfg, cluster, shapes, hf)
+    if report.fits or not suggest:
+        return report
+    return dataclasses.replace(report, suggestion=suggest_layout(cfg, cluster, shapes, hf))

@@ -82,7 +82,7 @@ def _check_layout(hf_dir: str, tp: int, pp: int, ep: int, hf_logits: torch.Tenso
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from rlhf_megatron.engines.base import unwrap
+    from rlhf_megatron.engines.checkpoint import unwrap
     from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
     from rlhf_megatron.models.moe_layers import expert_offset_of
     from rlhf_megatron.parallel import destroy_layout

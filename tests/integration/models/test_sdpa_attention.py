@@ -43,7 +43,8 @@ def _forward_backward(hf_dir: str, dims, local_spec: str, packing: bool) -> dict
     """Logits (this rank's vocab shard, last stage) and main grads of one fwd/bwd pass, and the
     logits of one forward-only pass (no autograd: the log-prob path)."""
     from rlhf_megatron.engines import EngineConfig, OptimizerSettings
-    from rlhf_megatron.engines.base import MegatronEngine, unwrap
+    from rlhf_megatron.engines.base import MegatronEngine
+    from rlhf_megatron.engines.checkpoint import unwrap
     from rlhf_megatron.models.builder import LOCAL_SPEC_ENV
 
     os.environ[LOCAL_SPEC_ENV] = local_spec
