@@ -22,7 +22,7 @@ from rlhf_megatron.controller.facades import (
 from rlhf_megatron.controller.ray_cluster import DevicePool, worker_threads
 from rlhf_megatron.controller.worker_group import WorkerGroup, wait_all
 from rlhf_megatron.errors import WorkerFailure
-from rlhf_megatron.workers import EngineSpec, MegatronWorker, RolloutWorker
+from rlhf_megatron.workers import AsyncRolloutWorker, EngineSpec, MegatronWorker, RolloutWorker
 
 
 @dataclass
@@ -57,8 +57,6 @@ def rollout_worker_class(cfg: TrainConfig) -> type:
     multi-turn episodes with environment.engine=async; otherwise the batch engine."""
     if cfg.trainer.rollout_mode != "sync" or (
             cfg.environment.enabled and cfg.environment.engine == "async"):
-        from rlhf_megatron.rollout.async_worker import AsyncRolloutWorker
-
         return AsyncRolloutWorker
     return RolloutWorker
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from rlhf_megatron import quickstart, quickstart_long, quickstart_real
+from rlhf_megatron import quickstart_tools as tools_quickstart
 from rlhf_megatron.config import load_config, validate_config
 from rlhf_megatron.config.validate import model_hf_config
-from rlhf_megatron.environments import quickstart as tools_quickstart
 from rlhf_megatron.offline import quickstart as offline_quickstart
 from rlhf_megatron.planner import Cluster, plan_config
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_megatron.environments.quickstart import prepare
+from rlhf_megatron.quickstart_tools import prepare
 from rlhf_megatron.testing.train_runs import REPO, RayHead, read_metrics, run_train, window_means
 
 # 800 SFT steps (loss ~0.01; 400 left it at ~0.09): the warm start copies the tool's output

@@ -150,8 +150,8 @@ def test_episodes_pick_the_async_engine_unless_batched():
     the batch engine for environment.engine=batched and for single-turn sync runs."""
     from rlhf_megatron.config import load_config
     from rlhf_megatron.controller.groups import rollout_worker_class
-    from rlhf_megatron.rollout.async_worker import AsyncRolloutWorker
     from rlhf_megatron.workers import RolloutWorker
+    from rlhf_megatron.workers.async_rollout_worker import AsyncRolloutWorker
 
     tools = REPO / "configs" / "quickstart_tools_cpu.yaml"
     assert rollout_worker_class(load_config(tools)) is AsyncRolloutWorker

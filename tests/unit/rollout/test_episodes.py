@@ -144,7 +144,7 @@ def test_episode_stream_equals_the_sft_rendering_on_a_word_level_template(tmp_pa
     start trained on (chat template over the whole conversation), with no doubled <eos>."""
     from rlhf_megatron import quickstart as rl_quickstart
     from rlhf_megatron.data.offline_datasets import sft_row
-    from rlhf_megatron.environments.quickstart import CHAT_TEMPLATE, demonstration, vocabulary
+    from rlhf_megatron.quickstart_tools import CHAT_TEMPLATE, demonstration, vocabulary
 
     tok = rl_quickstart.write_tokenizer(tmp_path, vocabulary(), CHAT_TEMPLATE)
     chat = ChatFormat(tok)

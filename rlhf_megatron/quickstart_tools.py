@@ -3,7 +3,7 @@ configs/quickstart_tools_cpu.yaml): the RL quickstart's tiny random Llama
 (``rlhf_megatron.quickstart.write_model``) over a word-level tokenizer with a chat template
 (``write_tokenizer``), the word-level ``arithmetic_tool`` task, and SFT demonstrations.
 
-    python -m rlhf_megatron.environments.quickstart --out outputs/quickstart_tools_assets
+    python -m rlhf_megatron.quickstart_tools --out outputs/quickstart_tools_assets
 
 Writes model/, train.jsonl / val.jsonl (``{"prompt": "7 * 8 + 3", "answer": "59"}``) and
 sft.jsonl on other questions: one conversation per question, a share ``tool_fraction`` calling the
@@ -78,7 +78,7 @@ def _write(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_megatron.environments.quickstart",
+    parser = argparse.ArgumentParser(prog="python -m rlhf_megatron.quickstart_tools",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/quickstart_tools_assets"))
     parser.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""AsyncRolloutWorker: one AsyncRolloutEngine as a Ray actor, for trainer.rollout_mode
+"""AsyncRolloutWorker: one AsyncRolloutEngine (rollout/async_engine.py) as a Ray actor, for trainer.rollout_mode
 one_step_off / async. It answers the same refit protocol as the synchronous RolloutWorker
 (begin_weight_update, load_bucket(handle), finish_weight_update(version)), so refit/ drives it
 unchanged; buckets arrive as transport handles and are handed to vLLM's worker process as such.
@@ -12,15 +12,14 @@ from typing import Any
 
 from rlhf_megatron.rollout.async_batch import groups_to_result
 from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine, RolloutGroup
-from rlhf_megatron.rollout.async_episodes import EpisodeGroups
+from rlhf_megatron.rollout.async_episodes import EpisodeGroups, run_episodes_on_async_engine
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
+from rlhf_megatron.workers.threads import set_threads
 
 
 class AsyncRolloutWorker:
     def __init__(self, name: str, hf_dir: str, config: RolloutConfig, threads: int = 1,
                  capacity: int = 64) -> None:
-        from rlhf_megatron.workers.threads import set_threads
-
         self.name = name
         self.threads = threads
         """Intra-op threads of vLLM's engine process: it generates continuously on its own pool
@@ -65,8 +64,6 @@ class AsyncRolloutWorker:
                      first_prompt: int = 0) -> Any:
         """Multi-turn episodes, each its own task on the engine's loop
         (rollout/async_episodes.py): (TokenBatch, metrics)."""
-        from rlhf_megatron.rollout.async_episodes import run_episodes_on_async_engine
-
         return run_episodes_on_async_engine(self.engine, env_cfg, samples, sampling, first_prompt)
 
     # refit ----------------------------------------------------------------------
