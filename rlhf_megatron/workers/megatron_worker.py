@@ -20,6 +20,7 @@ import torch
 
 from rlhf_megatron.config.roles import MEGATRON_ROLES as ROLES
 from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.platform.gc_pause import collector_paused
 from rlhf_megatron.platform.net import free_port, node_ip
 from rlhf_megatron.workers.threads import on_cores
 
@@ -60,9 +61,10 @@ class MegatronWorker:
                           LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.spec = spec
         dims = spec.layout.dims()
-        initialize_layout(dims, seed=spec.seed)
-        torch.manual_seed(spec.seed)
-        self.engine = self._build(spec, dims)
+        with collector_paused():  # megatron-core's imports and the engines' builds
+            initialize_layout(dims, seed=spec.seed)
+            torch.manual_seed(spec.seed)
+            self.engine = self._build(spec, dims)
         return self.parallel_ranks()
 
     def _build(self, spec: EngineSpec, dims: Any) -> Any:
