@@ -190,6 +190,10 @@ def _coerce(annotation: Any, value: Any, key: str) -> Any:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if len(errors) == 1 else
                           f"{key}={value!r} matches none of {_type_name(annotation)}")
+    if origin is typing.Literal:  # a mode field: one of its spelled-out values
+        if value in args:
+            return value
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(map(str, args))}")
     if dataclasses.is_dataclass(annotation):
         return build_dataclass(annotation, value, f"{key}.")
     if annotation is Any:

@@ -9,6 +9,7 @@ field is documented once, where it is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rlhf_megatron.algorithms import (
     AdvantageConfig,
@@ -105,7 +106,7 @@ class AlgorithmSection:
     overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
     """DAPO: soft penalty over the last `buffer` tokens before the maximum length (0: off)."""
     entropy_coeff: float = 0.0
-    kl_mode: str = "loss"
+    kl_mode: Literal["loss", "reward", "none"] = "loss"
     """'loss' (KL term in the actor loss), 'reward' (per-token KL penalty in the reward) or
     'none' (no reference model at all)."""
     kl_coef: float = 0.001
@@ -181,7 +182,7 @@ class RewardModelSection(ModelRoleSection):
 
 @dataclass
 class ResourcesSection:
-    mode: str = "colocated"
+    mode: Literal["colocated", "split"] = "colocated"
     """'colocated': actor, reference, critic and rollout share one pool of devices (hybrid);
     'split': separate pools (sizes below)."""
     nodes: int = 1
@@ -238,7 +239,7 @@ class TrainerSection:
     """Diagnosis and tests: after the advantages of these steps, write the step's batch (token
     ids, masks, log-probs, values, token-level rewards, advantages, returns, sequence scores) to
     `<run_dir>/batches/step_<N>.pt` (`torch.load` reads it)."""
-    rollout_mode: str = "sync"
+    rollout_mode: Literal["sync", "one_step_off", "async"] = "sync"
     """'sync': generate, then train (colocated or split pools). 'one_step_off': batch k+1
     generates while batch k trains, on split pools; the refit waits for batch k+1, so it is
     generated one weight version behind. 'async': the engines generate continuously into a

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rlhf_megatron.errors import ConfigError
 
@@ -24,7 +24,7 @@ class EnvironmentConfig:
     """All tokens after the opening prompt (assistant + observations); reaching it truncates."""
     tool_workers: int = 4
     """Threads that run environment steps (tool calls) beside generation."""
-    engine: str = "async"
+    engine: Literal["async", "batched"] = "async"
     """Which vLLM engine runs the trainer's episodes. ``async``: vLLM's AsyncLLM, every episode
     its own task and every turn its own request, so a slow tool call holds no other episode
     (rollout/async_episodes.py). ``batched``: the synchronous engine, one batched generate per
@@ -47,7 +47,7 @@ class EnvironmentConfig:
                 raise ConfigError("environment.path: the environment gives the rewards; unset "
                                   "reward_model.path")
         if self.engine not in ("async", "batched"):
-            raise ConfigError(f"environment.engine={self.engine!r}: expected 'async' or 'batched'")
+            raise ConfigError(f"environment.engine={self.engine!r}: expected one of async, batched")
         for name in ("max_turns", "max_tokens_per_turn", "max_tokens_per_episode", "tool_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -142,7 +142,7 @@ def test_bad_episode_engine_exits_2_with_one_line(tmp_path, capsys):
                  "environment.engine=vllm", f"trainer.run_dir={tmp_path}/r"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert "environment.engine='vllm'" in err[0] and "'async' or 'batched'" in err[0], err
+    assert "environment.engine='vllm'" in err[0] and "expected one of async, batched" in err[0], err
 
 
 def test_episodes_pick_the_async_engine_unless_batched():
