@@ -5,8 +5,9 @@ short run on split pools (one core each for the actor, the critic and vLLM):
   killed -9 after step 5 and the run resumed from its step-4 checkpoint: every step is logged
   once, the critic trains every step, validation runs at steps 2, 4, 6 and 8, each batch is one
   version behind, and every prompt of the stream is trained exactly once across the kill;
-- async with max_staleness 2: the engines run two batches ahead, groups up to 2 versions behind
-  are trained, and what the staleness filter drops is counted and never trained.
+- async with max_staleness 2 and validation every 3 steps: the engines run two batches ahead,
+  groups up to 2 versions behind are trained, and what the staleness filter drops is counted and
+  never trained.
 """
 
 from __future__ import annotations
@@ -79,13 +80,15 @@ def test_async_two_versions_ahead_counts_what_it_drops(
         assets: Path, tmp_path: Path, head: RayHead) -> None:
     run_dir = tmp_path / "async_staleness_2"
     overrides = small_run_overrides(assets, run_dir, **{
-        "data.prompts_per_step": PROMPTS, "trainer.total_steps": STEPS, "trainer.val_every": 0,
+        "data.prompts_per_step": PROMPTS, "trainer.total_steps": STEPS, "trainer.val_every": 3,
         "trainer.rollout_mode": "async", "trainer.max_staleness": 2, **SPLIT,
         "resources.devices_per_node": 2})
     result = run_train(overrides, timeout=600, head=head)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    # Validation while the engines keep generating the batches ahead (greedy, held-out prompts).
+    assert [r["step"] for r in records if "val/reward/mean" in r] == [3, 6]
     lags = [max(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("async/staleness_")
                 and k != "async/staleness_mean") for r in records]
     assert max(lags) == 2 and all(lag <= 2 for lag in lags), lags  # two batches ahead, no more
