@@ -1,9 +1,10 @@
 """Typed facades over the worker groups: what the controller may ask of each role.
 
 The phases call these methods (`actor.update_policy(batch, settings)`, `rollout.generate(...)`).
-A facade calls its workers' methods by their Python names (`self._dp.update_policy(batch,
-settings)` runs MegatronWorker.update_policy on every rank, the batch sharded over DP), so no
-call site names a method by a string. A `submit_*` method starts a DP-sharded call and returns
+A facade calls its workers' methods by reference (`self._dp(MegatronWorker.update_policy, batch,
+settings)` runs it on every rank, the batch sharded over DP), so no call site names a method by a
+string. The rollout facade names RolloutWorker's methods; AsyncRolloutWorker answers the same ones
+(checked below, when this module is imported). A `submit_*` method starts a DP-sharded call and returns
 a Pending; `.result()` waits for it (so the actor's and the critic's forwards run at once).
 Adding a worker method: define it on the worker class (workers/), add one typed method here that
 calls it, and call that from the phases.
@@ -15,7 +16,6 @@ length of a compute call (workers/threads.py).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,10 +23,17 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from rlhf_megatron.controller.worker_group import PendingDp, WorkerGroup, concat_rows, wait_all
+from rlhf_megatron.controller.worker_group import (
+    PendingDp,
+    WorkerGroup,
+    concat_rows,
+    remote,
+    wait_all,
+)
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rollout import SamplingSettings
+from rlhf_megatron.workers import AsyncRolloutWorker, MegatronWorker, RolloutWorker
 
 T = TypeVar("T")
 
@@ -86,25 +93,27 @@ class Generation:
 
 
 class _EachRank:
-    """`each.method(*args)`: the worker method of that name on every worker, waited on; the
-    results in rank order (WorkerGroup.call). Only the facades hold one."""
+    """`each(Worker.method, *args)`: that worker method on every worker, waited on; the results
+    in rank order (WorkerGroup.call). The method is named by reference, so a rename or a typo
+    fails where the facade is read, and a reader (or a call-graph tool) follows it into the
+    worker. Only the facades hold one."""
 
     def __init__(self, group: WorkerGroup) -> None:
         self._group = group
 
-    def __getattr__(self, method: str) -> Callable[..., list[Any]]:
-        return functools.partial(self._group.call, method)
+    def __call__(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        return self._group.call(method.__name__, *args)
 
 
 class _ByDp:
-    """`dp.method(batch, *args)`: the worker method of that name, started with `batch` sharded
-    over DP (WorkerGroup.submit_dp); returns the PendingDp."""
+    """`dp(Worker.method, batch, *args)`: that worker method, started with `batch` sharded over
+    DP (WorkerGroup.submit_dp); returns the PendingDp."""
 
     def __init__(self, group: WorkerGroup) -> None:
         self._group = group
 
-    def __getattr__(self, method: str) -> Callable[..., PendingDp]:
-        return functools.partial(self._group.submit_dp, method)
+    def __call__(self, method: Callable[..., Any], batch: TokenBatch, *args: Any) -> PendingDp:
+        return self._group.submit_dp(method.__name__, batch, *args)
 
 
 class _Facade:
@@ -119,7 +128,7 @@ class _Facade:
 
     def pids(self) -> list[int]:
         """Each worker's process id, in rank order."""
-        return self._each.ping()
+        return self._each(MegatronWorker.ping)
 
     def kill(self) -> None:
         self.workers.kill()
@@ -129,10 +138,10 @@ class _MegatronFacade(_Facade):
     """What every Megatron role has: checkpoints."""
 
     def save_checkpoint(self, directory: str, step: int) -> None:
-        self._each.save_checkpoint(directory, step)
+        self._each(MegatronWorker.save_checkpoint, directory, step)
 
     def load_checkpoint(self, directory: str) -> None:
-        self._each.load_checkpoint(directory)
+        self._each(MegatronWorker.load_checkpoint, directory)
 
 
 class ActorGroup(_MegatronFacade):
@@ -144,21 +153,21 @@ class ActorGroup(_MegatronFacade):
             out = concat_rows(parts)
             return ActorLogProbs(out["logprobs"], out["entropy"], out.get("ref_logprobs"),
                                  out.get("routed_experts"))
-        return Pending(self._dp.compute_old_and_ref_logprobs(batch), combine)
+        return Pending(self._dp(MegatronWorker.compute_old_and_ref_logprobs, batch), combine)
 
     def compute_logprobs(self, batch: TokenBatch) -> ActorLogProbs:
         return self.submit_logprobs(batch).result()
 
     def submit_ref_logprobs(self, batch: TokenBatch) -> Pending[torch.Tensor]:
         """(bs, S) reference log-probs alone (the on-policy shortcut skips the actor's)."""
-        return Pending(self._dp.compute_ref_logprobs(batch),
+        return Pending(self._dp(MegatronWorker.compute_ref_logprobs, batch),
                        lambda parts: concat_rows(parts)["logprobs"])
 
     def update_policy(self, batch: TokenBatch, settings: Any) -> PolicyUpdate:
         """One optimizer step on `batch` (a mini-batch, sharded over DP) with
         engines.actor.PolicyUpdateSettings. Without batch.old_logprobs (the on-policy shortcut)
         the update's own forward values come back as `on_policy`."""
-        parts = self._dp.update_policy(batch, settings).collect()
+        parts = self._dp(MegatronWorker.update_policy, batch, settings).collect()
         on_policy = None
         if "logprobs" in parts[0]:
             on_policy = ActorLogProbs(torch.cat([p["logprobs"] for p in parts]),
@@ -168,21 +177,22 @@ class ActorGroup(_MegatronFacade):
     def offline_update(self, batch: TokenBatch, spec: Any) -> list[dict[str, Any]]:
         """One optimizer step of an offline loss (engines.offline_update.OfflineStepSpec); one
         result per DP rank ({'metrics', and 'logprobs' when spec.return_logprobs})."""
-        return self._dp.offline_update(batch, spec).collect()
+        return self._dp(MegatronWorker.offline_update, batch, spec).collect()
 
     def sequence_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """(bs,) summed log-probs of each row's loss tokens under the current weights."""
-        return concat_rows(self._dp.sequence_logprobs(batch).collect())
+        return concat_rows(self._dp(MegatronWorker.sequence_logprobs, batch).collect())
 
     def connect_rollout(self, rollout: RolloutGroup, *, bucket_bytes: int,
                         transport: str) -> None:
         """Once, when the groups are built: every rank connects to the rollout engines
         (refit/fanout.py chooses each engine's transport)."""
-        self._each.connect_rollout(list(rollout.workers.handles), bucket_bytes, transport)
+        self._each(MegatronWorker.connect_rollout, list(rollout.workers.handles), bucket_bytes,
+                   transport)
 
     def refit(self, version: int) -> RefitReport:
         """Send the current weights to every rollout engine as `version`."""
-        stats = self._each.refit(version)
+        stats = self._each(MegatronWorker.refit, version)
         reported = stats[0]["version"]
         if reported != version:  # what vLLM reports after finish_weight_update
             raise WorkerFailure(f"refit to version {version}: the rollout engines report "
@@ -192,13 +202,13 @@ class ActorGroup(_MegatronFacade):
 
     def offload(self) -> dict[str, float]:
         """Move the training state off the device; sums over ranks of {'bytes', 'freed'}."""
-        ranks = self._each.offload()
+        ranks = self._each(MegatronWorker.offload)
         return {"bytes": float(sum(r["bytes"] for r in ranks)),
                 "freed": float(sum(r["freed"] for r in ranks))}
 
     def onload(self) -> float:
         """Bring it back; the rise in resident memory summed over ranks."""
-        return float(sum(r["restored"] for r in self._each.onload()))
+        return float(sum(r["restored"] for r in self._each(MegatronWorker.onload)))
 
 
 class CriticGroup(_MegatronFacade):
@@ -206,12 +216,12 @@ class CriticGroup(_MegatronFacade):
 
     def submit_values(self, batch: TokenBatch) -> Pending[torch.Tensor]:
         """(bs, S) value estimates."""
-        return Pending(self._dp.compute_values(batch), concat_rows)
+        return Pending(self._dp(MegatronWorker.compute_values, batch), concat_rows)
 
     def update(self, batch: TokenBatch, *, value_clip: float | None,
                aggregation: str) -> dict[str, float]:
         """One optimizer step of the value loss on `batch` (a mini-batch)."""
-        return self._dp.update_critic(batch, value_clip, aggregation).collect()[0]
+        return self._dp(MegatronWorker.update_critic, batch, value_clip, aggregation).collect()[0]
 
 
 class RewardModelGroup(_MegatronFacade):
@@ -219,7 +229,7 @@ class RewardModelGroup(_MegatronFacade):
 
     def score(self, batch: TokenBatch) -> torch.Tensor:
         """(bs,) scores."""
-        return concat_rows(self._dp.score(batch).collect())
+        return concat_rows(self._dp(MegatronWorker.score, batch).collect())
 
 
 class RolloutGroup(_Facade):
@@ -235,7 +245,7 @@ class RolloutGroup(_Facade):
         start = time.perf_counter()
         for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             if hi > lo:
-                refs.append(handles[engine].generate.remote(list(prompts[lo:hi]), sampling, lo))
+                refs.append(remote(handles[engine], RolloutWorker.generate, list(prompts[lo:hi]), sampling, lo))
                 used.append(names[engine])
         results = wait_all(refs, used, "rollout.generate")
         seconds = time.perf_counter() - start
@@ -256,7 +266,7 @@ class RolloutGroup(_Facade):
         refs, used = [], []
         for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             if hi > lo:
-                refs.append(handles[engine].run_episodes.remote(
+                refs.append(remote(handles[engine], RolloutWorker.run_episodes,
                     list(samples[lo:hi]), env_cfg, sampling, lo))
                 used.append(names[engine])
         results = wait_all(refs, used, "rollout.run_episodes")
@@ -266,8 +276,18 @@ class RolloutGroup(_Facade):
 
     def sleep(self) -> None:
         """Free the KV cache (GPU) while the trainer runs."""
-        self._each.sleep()
+        self._each(RolloutWorker.sleep)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore `tags` ("weights", "kv_cache"; None: all)."""
-        self._each.wake_up(tags)
+        self._each(RolloutWorker.wake_up, tags)
+
+
+# Both rollout workers answer every call the rollout facade and the refit make.
+_ROLLOUT_CALLS = (RolloutWorker.generate, RolloutWorker.run_episodes, RolloutWorker.sleep,
+                  RolloutWorker.wake_up, RolloutWorker.ping, RolloutWorker.begin_weight_update,
+                  RolloutWorker.load_bucket, RolloutWorker.finish_weight_update,
+                  RolloutWorker.node_ip)
+_MISSING = [m.__name__ for m in _ROLLOUT_CALLS if not callable(getattr(AsyncRolloutWorker,
+                                                                        m.__name__, None))]
+assert not _MISSING, f"AsyncRolloutWorker lacks {_MISSING}"

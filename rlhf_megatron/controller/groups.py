@@ -20,7 +20,7 @@ from rlhf_megatron.controller.facades import (
     RolloutGroup,
 )
 from rlhf_megatron.controller.ray_cluster import DevicePool, worker_threads
-from rlhf_megatron.controller.worker_group import WorkerGroup, wait_all
+from rlhf_megatron.controller.worker_group import WorkerGroup, remote, wait_all
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.workers import AsyncRolloutWorker, EngineSpec, MegatronWorker, RolloutWorker
 
@@ -95,12 +95,12 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
     refs, names, owners = [], [], []
     for (role, spec), (ip, port, _pid) in zip(specs.items(), addresses, strict=True):
         for handle, name in zip(groups[role].handles, groups[role].names, strict=True):
-            refs.append(handle.setup.remote(spec, ip, port))
+            refs.append(remote(handle, MegatronWorker.setup, spec, ip, port))
             names.append(name)
             owners.append(role)
     rollout = groups.get("rollout")
     if rollout is not None:
-        refs += [handle.ping.remote() for handle in rollout.handles]
+        refs += [remote(handle, RolloutWorker.ping) for handle in rollout.handles]
         names += rollout.names
         owners += ["rollout"] * len(rollout.handles)
     results = wait_all(refs, names, "setup", timeout_s=timeout)
@@ -139,7 +139,7 @@ def _rendezvous_addresses(groups: dict[str, WorkerGroup], roles: list[str],
     addresses: dict[str, tuple[str, int, int]] = {}
     for _attempt in range(20):
         missing = [role for role in roles if role not in addresses]
-        refs = [groups[role].handles[0].address.remote() for role in missing]
+        refs = [remote(groups[role].handles[0], MegatronWorker.address) for role in missing]
         for role, address in zip(missing, wait_all(refs, [f"{r}[0]" for r in missing], "address",
                                                    timeout_s=timeout), strict=True):
             taken = {(ip, port) for ip, port, _ in addresses.values()}

@@ -37,7 +37,7 @@ from rlhf_megatron.controller.async_stream import PromptStream, pipeline_depth
 from rlhf_megatron.controller.metrics import PhaseTimer
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.sources import StepRollout
-from rlhf_megatron.controller.worker_group import wait_all
+from rlhf_megatron.controller.worker_group import remote, wait_all
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_batch import (
@@ -47,6 +47,7 @@ from rlhf_megatron.rollout.async_batch import (
     split_by_staleness,
 )
 from rlhf_megatron.rollout.async_engine import RolloutGroup
+from rlhf_megatron.workers import AsyncRolloutWorker
 
 CALL_TIMEOUT_S = 60.0
 """No answer from a rollout engine within this long ends the run (never a hang)."""
@@ -74,19 +75,19 @@ class AsyncRollout:
     def submit(self, items: Sequence[tuple[int, list[int]]], sampling: SamplingSettings,
                seed: int) -> None:
         """Groups of `sampling.n` responses to (key, prompt ids)."""
-        self._wait([h.submit.remote(share, sampling, seed)
+        self._wait([remote(h, AsyncRolloutWorker.submit, share, sampling, seed)
                     for h, share in zip(self.handles, self._shares(items), strict=True)],
                    "rollout.submit")
 
     def submit_episodes(self, items: Sequence[tuple[int, dict]], env_cfg: Any,
                         sampling: SamplingSettings, seed: int) -> None:
         """Groups of `sampling.n` multi-turn episodes of (key, sample)."""
-        self._wait([h.submit_episodes.remote(share, env_cfg, sampling, seed)
+        self._wait([remote(h, AsyncRolloutWorker.submit_episodes, share, env_cfg, sampling, seed)
                     for h, share in zip(self.handles, self._shares(items), strict=True)],
                    "rollout.submit_episodes")
 
     def counts(self) -> list[dict[str, int]]:
-        return self._wait([h.counts.remote() for h in self.handles], "rollout.counts")
+        return self._wait([remote(h, AsyncRolloutWorker.counts) for h in self.handles], "rollout.counts")
 
     def take(self, count: int, *, timeout_s: float) -> list[RolloutGroup]:
         """`count` completed groups, oldest first per engine, polling every engine."""
@@ -97,7 +98,7 @@ class AsyncRollout:
             for i, c in enumerate(counts):
                 need = min(count - len(taken), c["buffered"])
                 if need:
-                    taken += wait_all([self.handles[i].take.remote(need, 0)], [self.names[i]],
+                    taken += wait_all([remote(self.handles[i], AsyncRolloutWorker.take, need, 0)], [self.names[i]],
                                       "rollout.take", timeout_s=CALL_TIMEOUT_S)[0]
             if len(taken) < count:
                 if sum(c["in_flight"] for c in counts) == 0:

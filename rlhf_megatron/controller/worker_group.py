@@ -138,3 +138,9 @@ def concat_rows(parts: Sequence[Any]) -> Any:
     if isinstance(parts[0], dict):
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return torch.cat(list(parts))
+
+
+def remote(handle: Any, method: Callable[..., Any], *args: Any) -> Any:
+    """Start `method` (a worker class's function, named by reference) on the Ray actor `handle`;
+    returns its ObjectRef."""
+    return getattr(handle, method.__name__).remote(*args)
