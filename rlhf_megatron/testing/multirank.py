@@ -14,11 +14,12 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from rlhf_megatron.platform.net import free_port
 
 
 class RankFailure(RuntimeError):
@@ -26,9 +27,9 @@ class RankFailure(RuntimeError):
 
 
 def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port for the ranks' rendezvous (platform.net.free_port: outside the ephemeral
+    range, so another process's connection cannot take it before the ranks bind it)."""
+    return free_port()
 
 
 def _rank_main(

