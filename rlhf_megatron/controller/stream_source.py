@@ -148,12 +148,11 @@ def _collect(run: Run, rollout: AsyncRollout, stream: PromptStream, trainer_vers
     """`count` fresh-enough groups, the keys of the stale ones dropped (and replaced), and the
     staleness metrics."""
     trainer = run.cfg.trainer
-    pps = count
     kept: list[RolloutGroup] = []
     dropped: list[int] = []
     metrics: dict[str, float] = {}
-    while len(kept) < pps:
-        groups = rollout.take(pps - len(kept), timeout_s=ROLLOUT_TIMEOUT_S)
+    while len(kept) < count:
+        groups = rollout.take(count - len(kept), timeout_s=ROLLOUT_TIMEOUT_S)
         split = split_by_staleness(groups, trainer_version, trainer.max_staleness)
         stream.trained([g.key for g in split.dropped])
         kept += split.kept
@@ -193,9 +192,10 @@ class StreamSource:
         batch = groups_to_batch(groups)
         metrics.update(_batch_metrics(batch, groups))
         if run.cfg.environment.enabled:  # each episode's reward came back with it
-            batch = batch.with_fields(episode_rewards=episode_scores(
-                groups, batch.input_ids.shape[1])[1])
+            rewards, turn_rewards = episode_scores(groups, batch.input_ids.shape[1])
+            batch = batch.with_fields(episode_rewards=turn_rewards)
             metrics.update(group_metrics(groups))
+            scores = rewards if scores is None else scores
         future = phases.done(scores) if scores is not None else self._score(groups, batch)
         return StepRollout(batch, future, metrics, keys=[g.key for g in groups],
                            dropped=dropped)
