@@ -156,6 +156,10 @@ class RolloutSection:
     engine: RolloutConfig = field(default_factory=RolloutConfig)
     num_engines: int = 1
     """vLLM engines (rollout data parallelism); each uses engine.tensor_parallel_size devices."""
+    engine_restarts: int = 3
+    """rollout_mode one_step_off/async: dead rollout engines a run replaces (their groups go to
+    the other engines meanwhile, controller/async_rollout.py); the next death ends the run. 0:
+    the first death ends it. Sync mode ends the run at once."""
     sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings(n=4))
     val_sampling: SamplingSettings = field(
         default_factory=lambda: SamplingSettings(n=1, temperature=0.0))

@@ -157,6 +157,8 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if cfg.rollout.num_engines < 1 or cfg.rollout.bucket_mb < 1:
         raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}, bucket_mb="
                           f"{cfg.rollout.bucket_mb}: both must be >= 1")
+    if cfg.rollout.engine_restarts < 0:
+        raise ConfigError(f"rollout.engine_restarts={cfg.rollout.engine_restarts} must be >= 0")
     _one_of("rollout.refit_transport", cfg.rollout.refit_transport, ("auto", "local", "broadcast"))
     if cfg.ray.startup_timeout_s <= 0:
         raise ConfigError(f"ray.startup_timeout_s={cfg.ray.startup_timeout_s} must be > 0")

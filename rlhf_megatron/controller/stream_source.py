@@ -24,8 +24,6 @@ staleness), and on GPU vLLM sleeps while the actor trains in the hybrid layout. 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +31,11 @@ import torch
 
 from rlhf_megatron.algorithms.dapo import informative_groups
 from rlhf_megatron.controller import phases
+from rlhf_megatron.controller.async_rollout import AsyncRollout
 from rlhf_megatron.controller.async_stream import PromptStream, pipeline_depth
 from rlhf_megatron.controller.metrics import PhaseTimer
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.sources import StepRollout
-from rlhf_megatron.controller.worker_group import remote, wait_all
-from rlhf_megatron.errors import WorkerFailure
-from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_batch import (
     episode_scores,
     group_metrics,
@@ -47,79 +43,9 @@ from rlhf_megatron.rollout.async_batch import (
     split_by_staleness,
 )
 from rlhf_megatron.rollout.async_engine import RolloutGroup
-from rlhf_megatron.workers import AsyncRolloutWorker
 
-CALL_TIMEOUT_S = 60.0
-"""No answer from a rollout engine within this long ends the run (never a hang)."""
 ROLLOUT_TIMEOUT_S = 1800.0
 """Longest wait for a batch's groups while engines are alive and generating."""
-
-
-class AsyncRollout:
-    """The async rollout engines as one: prompts spread over the engines by key, completed
-    groups collected from whichever engine has them."""
-
-    def __init__(self, workers: Any) -> None:
-        self.handles, self.names = list(workers.handles), list(workers.names)
-
-    def _wait(self, refs: list[Any], call: str) -> list[Any]:
-        return wait_all(refs, self.names, call, timeout_s=CALL_TIMEOUT_S)
-
-    def _shares(self, items: Sequence[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
-        """Each engine's items: by key, so a key always goes to the same engine."""
-        shares: list[list[tuple[int, Any]]] = [[] for _ in self.handles]
-        for key, item in items:
-            shares[key % len(self.handles)].append((key, item))
-        return shares
-
-    def submit(self, items: Sequence[tuple[int, list[int]]], sampling: SamplingSettings,
-               seed: int) -> None:
-        """Groups of `sampling.n` responses to (key, prompt ids)."""
-        self._wait([remote(h, AsyncRolloutWorker.submit, share, sampling, seed)
-                    for h, share in zip(self.handles, self._shares(items), strict=True)],
-                   "rollout.submit")
-
-    def submit_episodes(self, items: Sequence[tuple[int, dict]], env_cfg: Any,
-                        sampling: SamplingSettings, seed: int) -> None:
-        """Groups of `sampling.n` multi-turn episodes of (key, sample)."""
-        self._wait([remote(h, AsyncRolloutWorker.submit_episodes, share, env_cfg, sampling, seed)
-                    for h, share in zip(self.handles, self._shares(items), strict=True)],
-                   "rollout.submit_episodes")
-
-    def counts(self) -> list[dict[str, int]]:
-        return self._wait([remote(h, AsyncRolloutWorker.counts) for h in self.handles], "rollout.counts")
-
-    def take(self, count: int, *, timeout_s: float) -> list[RolloutGroup]:
-        """`count` completed groups, oldest first per engine, polling every engine."""
-        taken: list[RolloutGroup] = []
-        deadline = time.monotonic() + timeout_s
-        while len(taken) < count:
-            counts = self.counts()
-            for i, c in enumerate(counts):
-                need = min(count - len(taken), c["buffered"])
-                if need:
-                    taken += wait_all([remote(self.handles[i], AsyncRolloutWorker.take, need, 0)], [self.names[i]],
-                                      "rollout.take", timeout_s=CALL_TIMEOUT_S)[0]
-            if len(taken) < count:
-                if sum(c["in_flight"] for c in counts) == 0:
-                    raise WorkerFailure(f"rollout: waiting for {count - len(taken)} groups, "
-                                        "but none is being generated")
-                if time.monotonic() > deadline:
-                    raise WorkerFailure(f"rollout: {len(taken)} of {count} groups after "
-                                        f"{timeout_s:g}s")
-                time.sleep(0.02)
-        return taken
-
-    def wait_idle(self, *, timeout_s: float) -> None:
-        """Until no engine has a request in flight (one_step_off refits only then)."""
-        deadline = time.monotonic() + timeout_s
-        while sum(c["in_flight"] for c in self.counts()) > 0:
-            if time.monotonic() > deadline:
-                raise WorkerFailure(f"rollout: still generating after {timeout_s:g}s")
-            time.sleep(0.02)
-
-    def outstanding(self) -> int:
-        return sum(c["in_flight"] + c["buffered"] for c in self.counts())
 
 
 def _submit(run: Run, rollout: AsyncRollout, stream: PromptStream, count: int) -> None:
@@ -172,9 +98,24 @@ class StreamSource:
         if run.stream is None:
             run.stream = PromptStream(run.loader)
         self.stream = run.stream
-        self.rollout = AsyncRollout(run.groups.rollout.workers)
+        cfg = run.cfg
+        self.rollout = AsyncRollout(run.groups.rollout.workers, cfg.rollout.engine_restarts,
+                                    connect=self._connect, refit_now=self._refit_now,
+                                    startup_timeout_s=cfg.ray.startup_timeout_s)
         self.depth = pipeline_depth(run.cfg.trainer.rollout_mode, run.cfg.trainer.max_staleness)
         self.dropped_total = 0.0
+        self._refitting = False
+
+    def _connect(self) -> None:
+        """The actor's refit fans out to the rollout group's handles from now on."""
+        cfg = self.run.cfg
+        self.run.groups.actor.connect_rollout(self.run.groups.rollout,
+                                              bucket_bytes=cfg.rollout.bucket_mb * 2**20,
+                                              transport=cfg.rollout.refit_transport)
+
+    def _refit_now(self) -> None:
+        """The current weights to the rollout group's engines, at the current version."""
+        phases.refit(self.run, version=self.run.weight_version)
 
     def start(self) -> None:
         _top_up(self.run, self.rollout, self.stream, self.run.cfg.data.prompts_per_step)
@@ -189,6 +130,7 @@ class StreamSource:
         _top_up(run, self.rollout, stream, self.depth * pps)
         self.dropped_total += metrics["async/dropped_groups"]
         metrics["async/dropped_total"] = self.dropped_total
+        metrics.update(self.rollout.metrics())
         batch = groups_to_batch(groups)
         metrics.update(_batch_metrics(batch, groups))
         if run.cfg.environment.enabled:  # each episode's reward came back with it
@@ -255,8 +197,13 @@ class StreamSource:
         if self.run.cfg.trainer.rollout_mode == "one_step_off":
             with timer.phase("generate_tail"):  # the next batch finishes on the old weights
                 self.rollout.wait_idle(timeout_s=ROLLOUT_TIMEOUT_S)
+        self.rollout.before_refit()
+        self._refitting = True
 
     def after_step(self, step: int, rollout: StepRollout) -> None:
+        if self._refitting:  # the loop refits between before_refit and here
+            self.rollout.after_refit()
+            self._refitting = False
         self.stream.trained(rollout.keys)
         _log_prompts(self.run, step, rollout.keys, rollout.dropped)
 

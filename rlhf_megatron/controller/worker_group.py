@@ -67,11 +67,28 @@ def _innermost_frame(exc: Exception) -> str:
 class WorkerGroup:
     """Ray actors `handles[i]` named `names[i]` (rank i of the group)."""
 
-    def __init__(self, role: str, handles: list[Any], names: list[str]) -> None:
+    def __init__(self, role: str, handles: list[Any], names: list[str],
+                 spawn: Callable[[int], Any] | None = None) -> None:
         self.role, self.handles, self.names = role, handles, names
         self.dp_rank: list[int] = [0] * len(handles)
         self.collector: list[bool] = [True] * len(handles)
         self.dp_size = 1
+        self._spawn = spawn
+        self._replacements: list[Any] = []  # respawned actors, killed with the group
+
+    def respawn(self, rank: int, old: Any) -> Any:
+        """Kill `old` (an actor of rank `rank`) and start a new actor for that rank, on its
+        bundle and with its arguments. The caller decides when it joins `handles`."""
+        import ray
+
+        assert self._spawn is not None, f"{self.role}: a group not made by create()"
+        try:
+            ray.kill(old, no_restart=True)
+        except Exception:  # already gone
+            pass
+        handle = self._spawn(rank)
+        self._replacements.append(handle)
+        return handle
 
     @classmethod
     def create(cls, role: str, actor_class: type, pool: DevicePool, bundles: Sequence[int],
@@ -79,12 +96,13 @@ class WorkerGroup:
         import ray
 
         remote = ray.remote(actor_class)
-        handles, names = [], []
-        for rank, bundle in enumerate(bundles):
-            name = f"{role}[{rank}]"
-            handles.append(remote.options(**pool.options(bundle)).remote(*make_args(rank)))
-            names.append(name)
-        return cls(role, handles, names)
+        bundles = list(bundles)
+
+        def spawn(rank: int) -> Any:
+            return remote.options(**pool.options(bundles[rank])).remote(*make_args(rank))
+
+        return cls(role, [spawn(rank) for rank in range(len(bundles))],
+                   [f"{role}[{rank}]" for rank in range(len(bundles))], spawn)
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None,
              **kwargs: Any) -> list[Any]:
@@ -113,7 +131,7 @@ class WorkerGroup:
     def kill(self) -> None:
         import ray
 
-        for handle in self.handles:
+        for handle in [*self.handles, *self._replacements]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # already gone

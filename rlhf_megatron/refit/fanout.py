@@ -34,37 +34,75 @@ class FanoutHandle:
     per_engine: tuple[Any, ...]
 
 
+def _engine_died(exc: BaseException) -> bool:
+    """A rollout engine's call failed because the engine is gone: its Ray actor died, or its
+    vLLM process did (the worker raises WorkerFailure). Anything else is a bug and propagates."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from rlhf_megatron.errors import WorkerFailure
+
+    if isinstance(exc, RayActorError):
+        return True
+    return isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None),
+                                                        WorkerFailure)
+
+
 class _PendingLoads:
-    def __init__(self, refs: list[Any]) -> None:
-        self._refs = refs
+    def __init__(self, fanout: RayRolloutFanout, refs: dict[int, Any]) -> None:
+        self._fanout, self._refs = fanout, refs
 
     def wait(self) -> None:
-        import ray
-
-        ray.get(self._refs)
+        self._fanout._get(self._refs)
 
 
 class RayRolloutFanout:
-    """Implements refit.RolloutClient over the Ray handles of the rollout workers."""
+    """Implements refit.RolloutClient over the Ray handles of the rollout workers.
+
+    An engine that dies during a refit is left out of the rest of it (`lost`), so the refit
+    completes on the others and every actor rank runs the same collectives; the controller
+    finds the death on its next call to that engine (controller/async_rollout.py replaces it).
+    Only when every engine is gone does the refit fail."""
 
     def __init__(self, handles: list[Any]) -> None:
         self.handles = list(handles)
+        self.lost: set[int] = set()
+        """Engines that died (a replacement is a new handle, connected anew)."""
+        self._first_loss = ""
 
-    def begin_weight_update(self) -> None:
+    def _get(self, refs: dict[int, Any]) -> dict[int, Any]:
         import ray
 
-        ray.get([h.begin_weight_update.remote() for h in self.handles])
+        results = {}
+        for i, ref in refs.items():
+            try:
+                results[i] = ray.get(ref)
+            except Exception as exc:
+                if not _engine_died(exc):
+                    raise
+                self.lost.add(i)
+                self._first_loss = self._first_loss or str(exc)
+        if len(self.lost) == len(self.handles):
+            from rlhf_megatron.errors import WorkerFailure
+
+            first = (self._first_loss.strip().splitlines() or [""])[-1][:300]
+            raise WorkerFailure(f"every rollout engine died during the refit: {first}")
+        return results
+
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.handles)) if i not in self.lost]
+
+    def begin_weight_update(self) -> None:
+        self._get({i: self.handles[i].begin_weight_update.remote() for i in self._live()})
 
     def load_bucket(self, handle: Any) -> _PendingLoads:
         per_engine = handle.per_engine if isinstance(handle, FanoutHandle) \
             else (handle,) * len(self.handles)
-        return _PendingLoads([h.load_bucket.remote(p)
-                              for h, p in zip(self.handles, per_engine, strict=True)])
+        return _PendingLoads(self, {i: self.handles[i].load_bucket.remote(per_engine[i])
+                                    for i in self._live()})
 
     def finish_weight_update(self, version: int) -> int:
-        import ray
-
-        versions = ray.get([h.finish_weight_update.remote(version) for h in self.handles])
+        versions = list(self._get({i: self.handles[i].finish_weight_update.remote(version)
+                                   for i in self._live()}).values())
         if len(set(versions)) != 1:
             raise RuntimeError(f"rollout engines report weight versions {versions} after a refit "
                                f"to version {version}")

@@ -148,9 +148,12 @@ class MegatronWorker:
     # ------------------------------------------------------------------ refit, memory, checkpoints
     def connect_rollout(self, rollout_handles: list[Any], bucket_bytes: int,
                         transport_kind: str = "auto") -> None:
-        """Once, after setup: connect to the rollout workers for every later refit."""
+        """After setup: connect to the rollout workers for every later refit; again when the set
+        of engines changes (a replacement for a dead one, controller/async_rollout.py)."""
         from rlhf_megatron.refit import connect_rollout
 
+        if getattr(self, "rollout_link", None) is not None:
+            self.rollout_link.close()
         self.rollout_link = connect_rollout(self.engine, rollout_handles,
                                             bucket_bytes=bucket_bytes,
                                             transport_kind=transport_kind)
