@@ -100,18 +100,12 @@ def write_tiny_hf_checkpoint(
 ) -> Path:
     """Write config.json, safetensors weights (sharded with an index if max_shard_size is given),
     generation_config.json and a locally trained tokenizer to `out_dir`. Returns the directory."""
-    import transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tiny_tokenizer(out_dir)
-    config = tiny_hf_config(
-        architecture, vocab_size=len(tokenizer), tie_word_embeddings=tie_word_embeddings,
-        **config_overrides,
-    )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _randomize_norms(model, seed)
+    model = tiny_hf_model(architecture, vocab_size=len(tokenizer), seed=seed, dtype=dtype,
+                          tie_word_embeddings=tie_word_embeddings, **config_overrides)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out_dir), safe_serialization=True, **save_kwargs)
     (out_dir / "rlhf_megatron_tiny.json").write_text(json.dumps({"seed": seed}))
@@ -132,6 +126,19 @@ def write_tiny_moe(model_dir: str | Path, vocab_size: int, seed: int = 0) -> Pat
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(model_dir), safe_serialization=True)
     return Path(model_dir)
+
+
+def tiny_hf_model(architecture: str = "LlamaForCausalLM", *, vocab_size: int, seed: int = 0,
+                  dtype: torch.dtype = torch.float32, **config_overrides: Any) -> Any:
+    """An HF causal LM of tiny_hf_config, its weights drawn from `seed` (norms and biases
+    perturbed too, so that a load that skips them cannot match)."""
+    import transformers
+
+    config = tiny_hf_config(architecture, vocab_size=vocab_size, **config_overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _randomize_norms(model, seed)
+    return model
 
 
 def _randomize_norms(model: torch.nn.Module, seed: int) -> None:

@@ -131,15 +131,11 @@ def _load_hf_weights(chunks, args):
     """An HF transformers model built from SEED (the same weights on every rank), loaded into
     this rank's `chunks`; returns the HF model (the reference forward of the same weights)."""
     import safetensors.torch
-    import transformers
 
     from rlhf_megatron.models.hf_load import load_hf_into_model
-    from rlhf_megatron.testing.tiny_models import tiny_hf_config
+    from rlhf_megatron.testing.tiny_models import tiny_hf_model
 
-    torch.manual_seed(SEED)
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        tiny_hf_config("LlamaForCausalLM", vocab_size=VOCAB, num_layers=2), dtype=torch.float32
-    )
+    hf_model = tiny_hf_model(vocab_size=VOCAB, num_layers=2, seed=SEED)
     with tempfile.TemporaryDirectory() as hf_dir:
         # Written by hand: save_pretrained writes nothing on a torch.distributed rank other than 0.
         hf_model.config.save_pretrained(hf_dir)
