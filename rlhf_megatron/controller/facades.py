@@ -266,7 +266,7 @@ class RolloutGroup(_Facade):
         refs, used = [], []
         for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             if hi > lo:
-                refs.append(remote(handles[engine], RolloutWorker.run_episodes,
+                refs.append(remote(handles[engine], AsyncRolloutWorker.run_episodes,
                     list(samples[lo:hi]), env_cfg, sampling, lo))
                 used.append(names[engine])
         results = wait_all(refs, used, "rollout.run_episodes")
@@ -284,7 +284,7 @@ class RolloutGroup(_Facade):
 
 
 # Both rollout workers answer every call the rollout facade and the refit make.
-_ROLLOUT_CALLS = (RolloutWorker.generate, RolloutWorker.run_episodes, RolloutWorker.sleep,
+_ROLLOUT_CALLS = (RolloutWorker.generate, RolloutWorker.sleep,
                   RolloutWorker.wake_up, RolloutWorker.ping, RolloutWorker.begin_weight_update,
                   RolloutWorker.load_bucket, RolloutWorker.finish_weight_update,
                   RolloutWorker.node_ip)

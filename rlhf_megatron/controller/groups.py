@@ -54,9 +54,8 @@ _FACADES = {"actor": ActorGroup, "critic": CriticGroup, "reward_model": RewardMo
 
 def rollout_worker_class(cfg: TrainConfig) -> type:
     """The rollout engines' worker: AsyncLLM (AsyncRolloutWorker) for the off-policy modes and for
-    multi-turn episodes with environment.engine=async; otherwise the batch engine."""
-    if cfg.trainer.rollout_mode != "sync" or (
-            cfg.environment.enabled and cfg.environment.engine == "async"):
+    multi-turn episodes (one request per turn); otherwise the batch engine."""
+    if cfg.trainer.rollout_mode != "sync" or cfg.environment.enabled:
         return AsyncRolloutWorker
     return RolloutWorker
 

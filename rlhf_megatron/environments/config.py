@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from rlhf_megatron.errors import ConfigError
 
@@ -24,30 +24,17 @@ class EnvironmentConfig:
     """All tokens after the opening prompt (assistant + observations); reaching it truncates."""
     tool_workers: int = 4
     """Threads that run environment steps (tool calls) beside generation."""
-    engine: Literal["async", "batched"] = "async"
-    """Which vLLM engine runs the trainer's episodes. ``async``: vLLM's AsyncLLM, every episode
-    its own task and every turn its own request, so a slow tool call holds no other episode
-    (rollout/async_episodes.py). ``batched``: the synchronous engine, one batched generate per
-    turn round, where a round waits for its slowest tool (rollout/episodes.py)."""
-
     def validate(self, train_cfg: Any = None) -> None:
         """Check the limits, that the environment class loads, and (given the whole TrainConfig)
-        that the run uses what episodes support: the async engine in the off-policy rollout
-        modes, no dynamic sampling, no reward model (one-line ConfigError)."""
+        that the run uses what episodes support: no dynamic sampling, no reward model (one-line
+        ConfigError)."""
         if self.path is not None and train_cfg is not None:
-            if getattr(train_cfg.trainer, "rollout_mode", "sync") != "sync" \
-                    and self.engine != "async":
-                raise ConfigError(f"environment.engine={self.engine}: trainer.rollout_mode="
-                                  f"{train_cfg.trainer.rollout_mode} streams episodes on the "
-                                  "async engine; set environment.engine=async")
             if train_cfg.algorithm.dynamic_sampling.enabled:
                 raise ConfigError("environment.path cannot be combined with "
                                   "algorithm.dynamic_sampling.enabled")
             if train_cfg.reward_model.path is not None:
                 raise ConfigError("environment.path: the environment gives the rewards; unset "
                                   "reward_model.path")
-        if self.engine not in ("async", "batched"):
-            raise ConfigError(f"environment.engine={self.engine!r}: expected one of async, batched")
         for name in ("max_turns", "max_tokens_per_turn", "max_tokens_per_episode", "tool_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -7,19 +7,20 @@ template applied incrementally: only the new messages and the next generation pr
 tokenised). ``loss_mask`` is 1 on generated tokens only; ``rollout_logprobs`` are vLLM's log-probs of
 those tokens.
 
-Concurrency: the engine as it stands (``VllmRolloutEngine``, offline ``LLM``) generates in batched
-turns: each round generates one turn for every episode that is ready, and environment steps (tool
-calls) run on a thread pool. An episode waiting on a slow tool is left out of the next round
-instead of holding it, so a tool call never blocks other episodes' generation; a round only waits
-for tools when no episode is ready. (The async engine, rollout/async_engine.py, would let
-episodes join mid-generation; moving to it is listed as not done in docs/ENVIRONMENTS.md.)
+One runner (EpisodeRunner): an episode tracker (the token stream, masks, limits, rewards) over
+a turn generator, an async function that generates an episode's next turn. Every episode is its
+own task, and each environment step (a tool call) runs on a thread pool, so a slow tool holds
+only its own episode. On vLLM the turn generator is one AsyncLLM request per turn
+(rollout/async_episodes.py), and an episode whose tool returns joins the running batch at once
+(continuous batching).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +97,8 @@ class TurnOutput:
     versions: list[int] | None = None
 
 
-TurnGenerator = Callable[[list[list[int]], list[int]], list[TurnOutput]]
-"""(contexts, max_tokens per context) -> one TurnOutput per context, in order."""
+TurnGenerator = Callable[["Episode", int], Awaitable[TurnOutput]]
+"""(episode, max_tokens) -> the episode's next turn, generated after its ids so far."""
 
 
 @dataclass
@@ -119,7 +120,6 @@ class Episode:
     """(position of the turn's last generated token, reward) for every turn that earned one."""
     done: bool = False
     truncated: bool = False
-    pending: Future | None = None
     last_generated: int | None = None
 
     @property
@@ -134,38 +134,45 @@ class EpisodeRunner:
         env_cls: the environment class (``cls(**cfg.kwargs)`` per episode).
         cfg: the ``environment:`` section (limits, tool threads).
         chat: the ChatFormat of the policy's tokenizer.
-        generate: a TurnGenerator (``vllm_turn_generator(engine, sampling)`` for vLLM).
+        turn: a TurnGenerator (``async_episodes.engine_turns(engine, sampling)`` for vLLM).
     """
 
     def __init__(self, env_cls: type, cfg: EnvironmentConfig, chat: ChatFormat,
-                 generate: TurnGenerator) -> None:
-        self.env_cls, self.cfg, self.chat, self.generate = env_cls, cfg, chat, generate
+                 turn: TurnGenerator) -> None:
+        self.env_cls, self.cfg, self.chat, self.turn = env_cls, cfg, chat, turn
 
     def run(self, samples: Sequence[dict[str, Any]]) -> list[Episode]:
+        """run_async on an event loop of its own (a turn generator that needs another loop,
+        such as the async engine's, is run with that loop's ``run_coroutine``)."""
+        return asyncio.run(self.run_async(samples))
+
+    async def run_async(self, samples: Sequence[dict[str, Any]]) -> list[Episode]:
         """One episode per sample, all finished (done or truncated) when this returns."""
         episodes = [self._start(i, s) for i, s in enumerate(samples)]
-        with ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="env-step") as pool:
-            while not all(e.done for e in episodes):
-                self._collect(episodes, block=False)
-                ready = [e for e in episodes if not e.done and e.pending is None]
-                if ready:
-                    self._generate_round(ready, pool)
-                else:
-                    self._collect(episodes, block=True)
-        for e in episodes:
-            e.env.close()
+        pool = ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="env-step")
+        try:
+            await asyncio.gather(*(self._episode(e, pool) for e in episodes))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for e in episodes:
+                e.env.close()
         return episodes
+
+    async def _episode(self, e: Episode, pool: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        while not e.done:
+            text = self._record_turn(e, await self.turn(e, self._budget(e)))
+            try:
+                result = checked_step(await loop.run_in_executor(pool, e.env.step, text))
+            except Exception as exc:  # a user environment's bug ends only its own episode
+                result = step_failed(exc, e)
+            self._apply(e, result)
 
     def _start(self, index: int, sample: dict[str, Any]) -> Episode:
         env = self.env_cls(**self.cfg.kwargs)
         prompt = self.chat.prompt_ids(env.reset(sample))
         return Episode(index, len(prompt), list(prompt), [0] * len(prompt),
                        [0.0] * len(prompt), env)
-
-    def _generate_round(self, ready: list[Episode], pool: ThreadPoolExecutor) -> None:
-        outputs = self.generate([list(e.ids) for e in ready], [self._budget(e) for e in ready])
-        for e, out in zip(ready, outputs):
-            e.pending = pool.submit(e.env.step, self._record_turn(e, out))
 
     def _budget(self, e: Episode) -> int:
         """max_tokens of the episode's next turn: the turn limit, capped by what is left."""
@@ -181,17 +188,6 @@ class EpisodeRunner:
         e.turns += 1
         e.last_generated = out.token_ids[-1] if out.token_ids else None
         return self.chat.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-
-    def _collect(self, episodes: list[Episode], block: bool) -> None:
-        pending = {e.pending: e for e in episodes if e.pending is not None}
-        if not pending:
-            return
-        if block:
-            wait(list(pending), return_when=FIRST_COMPLETED)
-        for fut, e in pending.items():
-            if fut.done():
-                e.pending = None
-                self._apply(e, _step_result(fut, e))
 
     def _apply(self, e: Episode, result: StepResult) -> None:
         obs, reward, done = result
@@ -212,14 +208,6 @@ class EpisodeRunner:
         e.logprobs += [0.0] * len(delta)
 
 
-def _step_result(fut: Future, e: Episode) -> StepResult:
-    """The environment's step result; an environment that raises ends its episode (reward 0)."""
-    try:
-        return checked_step(fut.result())
-    except Exception as exc:  # a user environment's bug ends only its own episode
-        return step_failed(exc, e)
-
-
 def checked_step(result: Any) -> StepResult:
     obs, reward, done = result
     return StepResult(list(obs), reward, bool(done))
@@ -231,34 +219,6 @@ def step_failed(exc: BaseException, e: Episode) -> StepResult:
               " ".join(str(exc).split()), e.sample_index)
     e.env.tool_stats.errors += 1
     return StepResult([], None, True)
-
-
-def vllm_turn_generator(engine: Any, sampling: Any) -> TurnGenerator:
-    """A TurnGenerator on a VllmRolloutEngine: one batched ``LLM.generate`` per round, with
-    per-context max_tokens and vLLM's log-probs of the sampled tokens (``sampling`` is a
-    SamplingSettings; its seed, if any, is offset per call so rounds do not repeat)."""
-    from vllm import SamplingParams
-
-    calls = [0]
-
-    def generate(contexts: list[list[int]], budgets: list[int]) -> list[TurnOutput]:
-        calls[0] += 1
-        params = [SamplingParams(
-            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=budget, logprobs=0, stop_token_ids=list(sampling.stop_token_ids),
-            seed=None if sampling.seed is None else sampling.seed * 100003 + calls[0] * 1009 + i,
-        ) for i, budget in enumerate(budgets)]
-        outputs = engine.llm.generate([{"prompt_token_ids": c} for c in contexts], params,
-                                      use_tqdm=False)
-        turns = []
-        for out in outputs:
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            lps = [float(d[t].logprob) for d, t in zip(sample.logprobs, ids)]
-            turns.append(TurnOutput(ids, lps, str(sample.finish_reason)))
-        return turns
-
-    return generate
 
 
 def episodes_to_batch(episodes: Sequence[Episode], sampling: Any = None) -> TokenBatch:
@@ -303,30 +263,3 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "episode/truncated_frac": sum(e.truncated for e in episodes) / n,
         "episode/reward_mean": sum(e.reward for e in episodes) / n,
     }
-
-
-def run_episodes_on_engine(engine: Any, cfg: EnvironmentConfig, samples: Sequence[dict[str, Any]],
-                           sampling: Any, first_prompt: int = 0) -> tuple[TokenBatch, dict[str, float]]:
-    """``sampling.n`` episodes per sample on one VllmRolloutEngine (prompt-major order, rows
-    numbered ``prompt_index = first_prompt + sample``): the batch (episodes_to_batch, whose
-    ``scores`` field holds each episode's summed reward) and episode_metrics."""
-    import transformers
-
-    from rlhf_megatron.environments.loader import load_environment
-    from rlhf_megatron.rollout.vllm_engine import prompt_seed
-
-    chat = ChatFormat(transformers.AutoTokenizer.from_pretrained(str(engine.hf_dir)))
-    seeded = sampling if sampling.seed is None else _with_seed(
-        sampling, prompt_seed(sampling.seed, first_prompt))
-    runner = EpisodeRunner(load_environment(cfg.path), cfg, chat, vllm_turn_generator(engine, seeded))
-    repeated = [s for s in samples for _ in range(sampling.n)]
-    episodes = runner.run(repeated)
-    for i, e in enumerate(episodes):
-        e.sample_index = first_prompt + i // sampling.n
-    return episodes_to_batch(episodes, sampling), episode_metrics(episodes)
-
-
-def _with_seed(sampling: Any, seed: int | None) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(sampling, seed=seed)

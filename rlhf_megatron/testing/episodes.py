@@ -1,6 +1,5 @@
-"""The three-turn episode checks that the synchronous engine's test
-(tests/integration/rollout/test_episodes_vllm.py) and the async engine's (test_async_rollout.py, on
-its own AsyncLLM) share: a ThreeTurns environment loaded from a file by "path.py:Class" (the config
+"""The three-turn episode checks of the async engine's test (test_async_rollout.py, on its own
+AsyncLLM): a ThreeTurns environment loaded from a file by "path.py:Class" (the config
 path users take), kept ids against generated ids, the rollout log-probs against an fp32 HF
 forward of the whole multi-turn rows, and the timing of a tool that sleeps in one episode."""
 
@@ -70,15 +69,15 @@ def checked_against_hf(episodes: list, turns: list[tuple[int, list[int]]], tok, 
 
 def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> dict:
     """On a running AsyncRolloutEngine whose weights are ``weights`` (HF names): 6 three-turn
-    episodes through AsyncEpisodeRunner, episode 0's first tool call sleeping SLOW_SECONDS; the
+    episodes through the episode runner (one request per turn), episode 0's first tool call sleeping SLOW_SECONDS; the
     facts checked by ``assert_async_episodes``."""
     import transformers
 
     from rlhf_megatron.environments import load_environment
     from rlhf_megatron.environments.config import EnvironmentConfig
     from rlhf_megatron.rollout import SamplingSettings
-    from rlhf_megatron.rollout.async_episodes import AsyncEpisodeRunner
-    from rlhf_megatron.rollout.episodes import ChatFormat
+    from rlhf_megatron.rollout.async_episodes import engine_turns
+    from rlhf_megatron.rollout.episodes import ChatFormat, EpisodeRunner
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     samples = [{"prompt": f"question {i}", "slow": SLOW_SECONDS if i == 0 else 0.0}
@@ -87,16 +86,15 @@ def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> d
     cfg = EnvironmentConfig(path=env_spec, max_turns=4, max_tokens_per_turn=12,
                             max_tokens_per_episode=120, tool_workers=4)
     turns: list[tuple[int, list[int]]] = []  # (episode, generated ids) per turn
-    runner = AsyncEpisodeRunner(env_cls, cfg, ChatFormat(tok), engine,
-                                SamplingSettings(temperature=1.0, max_tokens=12, seed=5))
-    record_turn = runner._record_turn
+    generate = engine_turns(engine, SamplingSettings(temperature=1.0, max_tokens=12, seed=5))
 
-    def recording(e, out):
+    async def recording(e, max_tokens):
+        out = await generate(e, max_tokens)
         turns.append((e.sample_index, list(out.token_ids)))
-        return record_turn(e, out)
+        return out
 
-    runner._record_turn = recording
-    episodes = runner.run(samples)
+    runner = EpisodeRunner(env_cls, cfg, ChatFormat(tok), recording)
+    episodes = engine.run_coroutine(runner.run_async(samples))
     return {**checked_against_hf(episodes, turns, tok, hf_dir, weights),
             "log": list(env_cls.LOG)}
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from rlhf_megatron.rollout.async_batch import groups_to_result
 from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine, RolloutGroup
-from rlhf_megatron.rollout.async_episodes import EpisodeGroups, run_episodes_on_async_engine
+from rlhf_megatron.rollout.async_episodes import EpisodeGroups, run_episodes
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 from rlhf_megatron.workers.threads import set_threads
 
@@ -64,7 +64,7 @@ class AsyncRolloutWorker:
                      first_prompt: int = 0) -> Any:
         """Multi-turn episodes, each its own task on the engine's loop
         (rollout/async_episodes.py): (TokenBatch, metrics)."""
-        return run_episodes_on_async_engine(self.engine, env_cfg, samples, sampling, first_prompt)
+        return run_episodes(self.engine, env_cfg, samples, sampling, first_prompt)
 
     # refit ----------------------------------------------------------------------
     def begin_weight_update(self) -> None:

@@ -28,14 +28,6 @@ class RolloutWorker:
         return self.engine.generate(prompts, sampling, first_prompt)
 
     @on_cores
-    def run_episodes(self, samples: list[dict], env_cfg: Any, sampling: SamplingSettings,
-                     first_prompt: int = 0) -> Any:
-        """Multi-turn episodes (rollout/episodes.py): (TokenBatch, metrics)."""
-        from rlhf_megatron.rollout.episodes import run_episodes_on_engine
-
-        return run_episodes_on_engine(self.engine, env_cfg, samples, sampling, first_prompt)
-
-    @on_cores
     def score_logprobs(self, batch: TokenBatch) -> Any:
         return self.engine.score_logprobs(batch)
 

@@ -74,7 +74,6 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
     # vLLM engines (~10-20 s each to start)
     "test_vllm_rollout.py": "vLLM engine: generate, refit",
     "test_async_rollout.py": "vLLM AsyncLLM: pause/resume across a refit, episodes",
-    "test_episodes_vllm.py": "vLLM engine: multi-turn episodes",
     "test_refit.py": "actor -> vLLM refit at several layouts",
     "test_moe_refit.py": "MoE actor -> vLLM refit",
     "test_rope_scaling_parity.py": "RoPE scaling: HF, Megatron and vLLM",
@@ -106,7 +105,7 @@ FILE_SECONDS = {
     "test_convert_cli.py": 64, "test_slurm_launch.py": 62, "test_layout_parity.py": 70,
     "test_actor_engine.py": 49, "test_async_rollout.py": 47,
     "test_moe_parity.py": 46, "test_dapo_e2e.py": 60, "test_moe_refit.py": 41,
-    "test_engine_state.py": 40, "test_episodes_vllm.py": 39, "test_multirank_harness.py": 37,
+    "test_engine_state.py": 40, "test_multirank_harness.py": 37,
     "test_context_parallel.py": 33, "test_rope_scaling_parity.py": 32,
     "test_train_from_checkpoint.py": 31, "test_verify_bf16_checkpoint.py": 28,
     "test_critic_reward.py": 27, "test_moe_replay.py": 24, "test_actor_loss_terms.py": 24,

@@ -3,7 +3,7 @@ continues on the new weights (partial rollout), and every token carries the weig
 produced it; the behaviour log-probs of each token equal, within 1e-4 in fp32, what HF gives with
 THAT version's weights. Then, on the same engine, multi-turn episodes (issue 15): one request per
 turn, ids kept, log-probs = HF within 1e-4, a 2 s tool call holding no other episode
-(test_episodes_vllm.async_episode_checks).
+(testing.episodes.async_episode_checks).
 
 One engine in one spawned process serves every check (starting AsyncLLM costs ~10-20 s).
 """

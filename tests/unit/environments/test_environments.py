@@ -137,17 +137,16 @@ def test_bad_environment_exits_2_with_one_line(tmp_path, capsys):
     assert "environment" in err[0] and "does not exist" in err[0]
 
 
-def test_bad_episode_engine_exits_2_with_one_line(tmp_path, capsys):
+def test_the_retired_batched_episode_engine_exits_2_with_one_line(tmp_path, capsys):
     code = main(["train", "--config", str(REPO / "configs" / "quickstart_tools_cpu.yaml"),
-                 "environment.engine=vllm", f"trainer.run_dir={tmp_path}/r"])
+                 "environment.engine=batched", f"trainer.run_dir={tmp_path}/r"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1
-    assert "environment.engine='vllm'" in err[0] and "expected one of async, batched" in err[0], err
+    assert code == 2 and len(err) == 1 and "environment.engine" in err[0], err
 
 
-def test_episodes_pick_the_async_engine_unless_batched():
-    """The trainer's rollout workers: AsyncLLM for episodes (environment.engine=async, default),
-    the batch engine for environment.engine=batched and for single-turn sync runs."""
+def test_episodes_pick_the_async_engine():
+    """The trainer's rollout workers: AsyncLLM for episodes, the batch engine for single-turn
+    sync runs."""
     from rlhf_megatron.config import load_config
     from rlhf_megatron.controller.groups import rollout_worker_class
     from rlhf_megatron.workers import RolloutWorker
@@ -155,6 +154,5 @@ def test_episodes_pick_the_async_engine_unless_batched():
 
     tools = REPO / "configs" / "quickstart_tools_cpu.yaml"
     assert rollout_worker_class(load_config(tools)) is AsyncRolloutWorker
-    assert rollout_worker_class(load_config(tools, ["environment.engine=batched"])) is RolloutWorker
     assert rollout_worker_class(load_config(REPO / "configs" / "quickstart_cpu.yaml")) \
         is RolloutWorker

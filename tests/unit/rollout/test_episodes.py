@@ -1,7 +1,7 @@
 """Episode runner (issue 15 items 2-3, 5) with a scripted turn generator on the tiny tokenizer:
 token-in-token-out, masks, limits and truncation, concurrency of tool calls, metrics.
-The same runner on real vLLM (and its log-prob agreement) is
-tests/integration/rollout/test_episodes_vllm.py."""
+The same runner on real vLLM (and its log-prob agreement) is in
+tests/integration/rollout/test_async_rollout.py."""
 
 from __future__ import annotations
 
@@ -56,15 +56,16 @@ class EchoEnv(Environment):
 
 
 class Scripted:
-    """A TurnGenerator that emits fixed ids (and records every call's contexts and time)."""
+    """A TurnGenerator that emits fixed ids (and records every call's time, context and
+    max_tokens)."""
 
     def __init__(self, turn_ids: list[int]) -> None:
         self.turn_ids, self.calls = turn_ids, []
 
-    def __call__(self, contexts, budgets):
-        self.calls.append((time.monotonic(), [list(c) for c in contexts], list(budgets)))
-        return [TurnOutput(self.turn_ids[:b], [-0.5] * min(b, len(self.turn_ids)), "stop")
-                for b in budgets]
+    async def __call__(self, episode, max_tokens):
+        self.calls.append((time.monotonic(), list(episode.ids), max_tokens))
+        return TurnOutput(self.turn_ids[:max_tokens],
+                          [-0.5] * min(max_tokens, len(self.turn_ids)), "stop")
 
 
 def test_generated_ids_are_kept_exactly_and_masks_cover_only_them(chat):
@@ -106,7 +107,7 @@ def test_limits_truncate_and_are_recorded(chat):
     gen = Scripted(turn)
     (ep,) = EpisodeRunner(EchoEnv, by_tokens, chat, gen).run([{"prompt": "hi"}])
     assert ep.truncated and ep.episode_tokens <= 12
-    assert all(b == [1] for _, _, b in gen.calls)  # max tokens per turn reaches the engine
+    assert all(b == 1 for _, _, b in gen.calls)  # max tokens per turn reaches the engine
     metrics = episode_metrics([ep])
     assert metrics["episode/truncated_frac"] == 1.0 and metrics["episode/turns_mean"] == ep.turns
 
@@ -122,7 +123,7 @@ def test_a_slow_tool_does_not_block_other_episodes(chat):
     assert all(e.done and e.reward == 1.0 for e in episodes)
     # The three fast episodes finish all their turns while the slow one's first step sleeps.
     during = [c for c in gen.calls if c[0] - start < 0.55]
-    assert sum(len(c[1]) for c in during) >= 3 + 3 + 3
+    assert len(during) >= 3 + 3 + 3
     assert threading.active_count() < 20
 
 
