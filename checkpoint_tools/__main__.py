@@ -1,9 +1,10 @@
 """Convert between HF checkpoints and Megatron dist-checkpoints, check, and inspect them.
 
-    python -m checkpoint_tools hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp 2 --pp 2] [--dtype bf16]
-    python -m checkpoint_tools mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB] [--dtype bf16]
-    python -m checkpoint_tools verify --hf HF_DIR --ckpt CKPT_DIR [--tp 2 --pp 2] [--compute-dtype bf16]
-    python -m checkpoint_tools inspect DIR
+    rlhf-convert hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp 2 --pp 2] [--dtype bf16]
+    rlhf-convert mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB] [--dtype bf16]
+    rlhf-convert verify --hf HF_DIR --ckpt CKPT_DIR [--tp 2 --pp 2] [--compute-dtype bf16]
+    rlhf-convert inspect DIR
+(`python -m checkpoint_tools` is the same command.)
 
 Bad input prints one line on stderr and exits 2; `verify` exits 1 when the log-probs, the top-1
 tokens or the KL differ beyond what rounding explains.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 
 from checkpoint_tools.common import peak_rss_mb
@@ -73,7 +75,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m checkpoint_tools", description=__doc__.split("\n\n")[0],
+        prog="rlhf-convert", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -142,7 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Megatron-Core warns at import when Transformer Engine and Apex are missing (the CPU stack and
+# any GPU install without them); the converter needs neither, so those lines are noise before
+# its own message. Only that warning is silenced.
+_NO_TE_APEX = r"Transformer Engine and Apex are not installed"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message=_NO_TE_APEX, category=UserWarning)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

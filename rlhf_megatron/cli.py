@@ -1,6 +1,7 @@
 """`rlhf-megatron`: the trainer's command line.
 
     rlhf-megatron train --config FILE [key=value ...]   # PPO/GRPO/DAPO, SFT/DPO/KTO (Ray controller)
+    rlhf-megatron train --config FILE --dry-run [--gpu-mem-gb M]  # validate, plan, print; no Ray
     rlhf-megatron plan --config FILE --nodes N --gpus-per-node G --gpu-mem-gb M
     rlhf-megatron checkpoints RUN_DIR                    # a run's checkpoints and their status
     rlhf-megatron version                                # package/stack versions, device
@@ -44,6 +45,12 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        from rlhf_megatron.config import load_config
+        from rlhf_megatron.dry_run import dry_run
+
+        cfg = load_config(args.config, args.overrides)
+        return dry_run(cfg, source=args.config, gpu_mem_gb=args.gpu_mem_gb)
     from rlhf_megatron.platform.gc_pause import collector_paused
 
     with collector_paused():  # the driver's imports (platform/gc_pause.py)
@@ -60,6 +67,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_mem_gib(text: str) -> float:
+    from rlhf_megatron.planner.command import positive_gib
+
+    return positive_gib(text)
+
+
 def _add_train(commands: Any) -> None:
     train = commands.add_parser(
         "train", help="run RL (PPO/GRPO/DAPO) or offline (SFT/DPO/KTO) training from a YAML config",
@@ -71,9 +84,18 @@ def _add_train(commands: Any) -> None:
                     "override it, e.g. trainer.total_steps=20 actor.layout.tp=2. The run "
                     "directory (trainer.run_dir) gets config.yaml, metrics.jsonl, tensorboard/, "
                     "checkpoints/ and plot.png; trainer.resume=auto continues from its latest "
-                    "complete checkpoint.",
+                    "complete checkpoint. --dry-run validates the config, plans it as `plan` "
+                    "does (layouts and per-GPU memory on resources.nodes x "
+                    "resources.devices_per_node) and prints the resolved config as YAML, "
+                    "without starting Ray (exit 0, 1 when the plan does not fit, 2 bad input).",
     )
     train.add_argument("--config", required=True, help="YAML file (see configs/)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="validate, plan and print the resolved config; start nothing")
+    train.add_argument("--gpu-mem-gb", type=_gpu_mem_gib, default=None,
+                       help="with --dry-run: memory of one GPU in GiB for the plan (default: "
+                            "this machine's first GPU; without one the memory estimate is "
+                            "skipped)")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="dotted overrides of config values")
     train.set_defaults(handler=_cmd_train)
@@ -82,8 +104,8 @@ def _add_train(commands: Any) -> None:
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rlhf_megatron.controller.checkpoint_store import checkpoint_statuses
     from rlhf_megatron.errors import ConfigError
+    from rlhf_megatron.records.checkpoint_store import checkpoint_statuses
 
     run_dir = Path(args.run_dir)
     root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
@@ -136,7 +158,7 @@ def _add_plan(commands: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf_megatron.controller.lifecycle import EXIT_INTERRUPTED, StopRequested
+    from rlhf_megatron.cluster.lifecycle import EXIT_INTERRUPTED, StopRequested
     from rlhf_megatron.errors import RlhfMegatronError
 
     args = build_parser().parse_args(argv)

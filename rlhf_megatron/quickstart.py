@@ -98,7 +98,7 @@ def _window_mean(records: list[dict], key: str, window: int, last: bool) -> floa
 
 def summary(run_dir: Path, window: int = 10) -> str:
     """First and last figures of a run (means over `window` steps), for `make demo`."""
-    from rlhf_megatron.controller.metrics import read_metrics
+    from rlhf_megatron.records.metrics import read_metrics
 
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] >= 1]
     if not records:

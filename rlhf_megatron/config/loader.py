@@ -11,12 +11,16 @@ verl and Hydra users know), also inside text (`"runs/${trainer.seed}"`) and in o
 A key left at its default can be referred to. `\${...}` is a literal `${...}`. Interpolations are
 resolved by OmegaConf after the overrides, before the typed checks, so a resolved value is checked
 like a written one; an interpolation that names no key is a one-line error with a suggestion.
+
+Relative paths are relative to the working directory, except the file of `reward.custom_function`
+written in the YAML file: it is relative to the YAML file's directory (code that ships with it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -34,12 +38,28 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     data: dict[str, Any] = {}
     if path is not None:
         data = read_yaml(Path(path))
+        _anchor_reward_file(data, Path(path))
     for override in overrides:
         key, value = parse_override(override)
         set_dotted(data, key, value)
     if _has_interpolation(data):
         data = resolve_interpolations(with_defaults(TrainConfig, data))
     return build_dataclass(TrainConfig, data, "")
+
+
+def _anchor_reward_file(data: dict[str, Any], config_path: Path) -> None:
+    """A relative file in the YAML file's `reward.custom_function` ("file.py:function") is code
+    that ships with the config: it is resolved against the config file's directory, so the config
+    works from any working directory. Overrides, data and model paths stay relative to the
+    working directory (the quickstarts' `prepare` writes their assets there)."""
+    reward = data.get("reward")
+    spec = reward.get("custom_function") if isinstance(reward, dict) else None
+    if not isinstance(spec, str) or "${" in spec or ":" not in spec:
+        return
+    file, _, function = spec.rpartition(":")
+    if file and not Path(file).expanduser().is_absolute():
+        anchored = os.path.normpath(config_path.parent.absolute() / file)
+        reward["custom_function"] = f"{anchored}:{function}"
 
 
 def _has_interpolation(value: Any) -> bool:
@@ -113,6 +133,8 @@ def _suggest_path(data: Mapping[str, Any], dotted: str) -> str:
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
@@ -260,10 +282,15 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def config_to_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML text (what config.yaml in the run dir holds)."""
+    return yaml.safe_dump(_plain(config_to_dict(config)), sort_keys=False)
+
+
 def save_config(config: TrainConfig, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(_plain(config_to_dict(config)), sort_keys=False))
+    tmp.write_text(config_to_yaml(config))
     tmp.replace(path)
 
 

@@ -74,6 +74,10 @@ class DataSection:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     data_source_key: str = "data_source"
+    extra_info_key: str = "extra_info"
+    """A row's extra information (verl's ``extra_info``), handed to custom rewards and
+    environments as it is. Every ``*_key`` may be a dotted path into nested fields
+    (verl's answer: ``answer_key: reward_model.ground_truth``)."""
     use_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (add_generation_prompt=True)."""
     max_prompt_length: int = 256

@@ -23,6 +23,7 @@ from rlhf_megatron.algorithms import (
     POLICY_LOSSES,
     AlgorithmError,
 )
+from rlhf_megatron.config.model_files import check_metrics_sinks, check_model_files
 from rlhf_megatron.config.offline import OFFLINE_ALGORITHMS
 from rlhf_megatron.config.roles import MEGATRON_ROLES, device_needs, megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
@@ -66,8 +67,9 @@ def check_sections(cfg: TrainConfig, sections: list[tuple[str, Callable[[], None
     """The checks every algorithm's config runs, in this order (the RL and the offline
     validators share it): the trainer section; finite values and layout sizes (so a NaN is
     reported as such, before a section's own check trips on it); each `(key, check)` of
-    `sections`, its error prefixed with `key`; the paths (with `check_paths`); and
-    `check_model(cfg, hf_config)` when the policy's config.json can be read."""
+    `sections`, its error prefixed with `key`; the paths and the model's files (with
+    `check_paths`: config/model_files.py); and `check_model(cfg, hf_config)` when the policy's
+    config.json can be read."""
     _check_trainer(cfg)
     check_finite(cfg)
     check_layout_values(cfg)
@@ -75,8 +77,11 @@ def check_sections(cfg: TrainConfig, sections: list[tuple[str, Callable[[], None
         _wrap(key, check)
     if check_paths:
         _check_paths(cfg)
+        check_metrics_sinks(cfg)
     hf_config = model_hf_config(cfg, check_paths=check_paths)
     if hf_config is not None:
+        if check_paths:
+            check_model_files(cfg, hf_config)
         check_model(cfg, hf_config)
 
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_megatron.cluster.worker_group import WorkerGroup, remote, wait_all
 from rlhf_megatron.controller.phases import say
-from rlhf_megatron.controller.worker_group import WorkerGroup, remote, wait_all
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_engine import RolloutGroup

@@ -75,16 +75,3 @@ class PromptStream:
         self.next_key = int(state["next_key"])
         self.pending = set()
         self._resubmit = sorted(int(k) for k in state["pending"])
-
-
-def pipeline_depth(mode: str, max_staleness: int) -> int:
-    """Batches submitted ahead of the one being trained (trainer.rollout_mode one_step_off or
-    async)."""
-    return 1 if mode == "one_step_off" else max_staleness
-
-
-def buffer_capacity(cfg: Any) -> int:
-    """Groups one engine may hold in flight plus buffered: the batch being taken and the batches
-    ahead, plus replacements for dropped groups (a bound, not a target)."""
-    depth = pipeline_depth(cfg.trainer.rollout_mode, cfg.trainer.max_staleness)
-    return (depth + 2) * cfg.data.prompts_per_step

@@ -16,14 +16,14 @@ import torch
 
 from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.async_stream import PromptStream
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore
 from rlhf_megatron.controller.dynamic_sampling import DynamicSampling
-from rlhf_megatron.controller.metrics import MetricsLogger, PhaseTimer
 from rlhf_megatron.controller.offline_source import REFERENCE_FILE, OfflineSource, offline_step
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.sources import EpisodeSource, PromptSource, StepRollout, SyncSource
 from rlhf_megatron.controller.stream_source import StreamSource
 from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.records.checkpoint_store import CheckpointStore
+from rlhf_megatron.records.metrics import MetricsLogger, PhaseTimer
 
 
 def build_source(run: Run) -> Any:

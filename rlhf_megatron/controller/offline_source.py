@@ -19,14 +19,14 @@ from typing import Any
 import torch
 
 from rlhf_megatron.algorithms.preference import kto_reference_point
+from rlhf_megatron.cluster.worker_group import concat_rows
 from rlhf_megatron.config.offline_validate import ROWS_PER_EXAMPLE
 from rlhf_megatron.controller import phases
-from rlhf_megatron.controller.metrics import PhaseTimer
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.sources import StepRollout
-from rlhf_megatron.controller.worker_group import concat_rows
 from rlhf_megatron.data.offline_datasets import OfflineExample, rows_to_batch
 from rlhf_megatron.engines.offline_update import OfflineStepSpec
+from rlhf_megatron.records.metrics import PhaseTimer
 
 REFERENCE_FILE = "offline_reference.pt"
 """In a checkpoint of a DPO/KTO run: the reference log-probs (run.offline.reference)."""

@@ -1,6 +1,6 @@
 """The phases of one PPO/GRPO step, each a named function of the run's state.
 
-Each phase talks to the workers through the typed group facades (controller/facades.py:
+Each phase talks to the workers through the typed group facades (cluster/facades.py:
 `run.groups.actor.update_policy(batch, settings)`, ...) and reads/adds named batch fields
 (`batch.old_logprobs`, data/batch.py BATCH_FIELDS).
 
@@ -36,9 +36,9 @@ from rlhf_megatron.algorithms import (
     masked_mean,
     shape_overlong,
 )
+from rlhf_megatron.cluster.facades import ActorLogProbs
+from rlhf_megatron.cluster.groups import RunGroups
 from rlhf_megatron.config import TrainConfig
-from rlhf_megatron.controller.facades import ActorLogProbs
-from rlhf_megatron.controller.groups import RunGroups
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.prompts import PromptLoader, PromptRow
 from rlhf_megatron.engines.actor import PolicyUpdateSettings
@@ -121,7 +121,8 @@ def generate_episodes(run: Run, rows: Sequence[PromptRow],
     the batch (loss_mask 1 on generated tokens only, per-turn rewards in field
     "episode_rewards"), the (bs,) episode rewards and the episode/* metrics."""
     sampling = dataclasses.replace(run.cfg.rollout.sampling, seed=seed)
-    samples = [{"prompt": r.prompt, "answer": r.answer, "data_source": r.data_source}
+    samples = [{"prompt": r.prompt, "answer": r.answer, "data_source": r.data_source,
+                "extra_info": r.extra_info}
                for r in rows]
     start = time.perf_counter()
     batch, metrics = run.groups.rollout.run_episodes(samples, run.cfg.environment, sampling)
@@ -148,7 +149,8 @@ def score_async(run: Run, batch: TokenBatch, rows: Sequence[PromptRow]) -> Any:
     index = batch.prompt_index.tolist()
     answers = [rows[i].answer for i in index]
     sources = [rows[i].data_source for i in index]
-    future: Future = run.rewards.compute_async(decode_responses(run, batch), answers, sources)
+    future: Future = run.rewards.compute_async(decode_responses(run, batch), answers, sources,
+                                               extra_infos=[rows[i].extra_info for i in index])
     return future
 
 
@@ -275,6 +277,7 @@ def score_and_advantages(run: Run, step: int, batch: TokenBatch, scores: Any, ti
         metrics.update(m)
     with timer.phase("reward"):
         sequence_rewards = scores.result()
+    metrics.update(run.rewards.take_metrics())  # a custom reward's extra keys, reward/<key>
     with timer.phase("advantages"):
         batch, m = compute_advantages_phase(run, batch, sequence_rewards)
         metrics.update(m)

@@ -18,23 +18,23 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_megatron.algorithms import build_kl_controller
-from rlhf_megatron.config import TrainConfig, config_to_dict, save_config, validate_config
-from rlhf_megatron.config.validate import config_warnings
-from rlhf_megatron.controller import phases
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore
-from rlhf_megatron.controller.lifecycle import (
+from rlhf_megatron.cluster.lifecycle import (
     GracefulStop,
     remove_orphan_segments,
     remove_refit_segments,
 )
+from rlhf_megatron.config import TrainConfig, config_to_dict, save_config, validate_config
+from rlhf_megatron.config.validate import config_warnings
+from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.loop import restore_checkpoint, save_checkpoint, train_steps
-from rlhf_megatron.controller.metrics import build_metrics_logger
 from rlhf_megatron.controller.offline_source import CONSOLE_KEYS, PLOT_KEYS, OfflineData
 from rlhf_megatron.controller.phases import Run, say
 from rlhf_megatron.data.offline_datasets import load_examples
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
 from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.records.checkpoint_store import CONTROLLER_STATE_FILE, CheckpointStore
+from rlhf_megatron.records.metrics import build_metrics_logger
 from rlhf_megatron.rewards import RewardManager
 
 
@@ -45,7 +45,8 @@ def load_prompts(cfg: TrainConfig, tokenizer: Any, files: list[str],
     for file in files:
         rows += PromptDataset.from_file(file, prompt_key=data.prompt_key,
                                         answer_key=data.answer_key,
-                                        data_source_key=data.data_source_key).rows
+                                        data_source_key=data.data_source_key,
+                                        extra_info_key=data.extra_info_key).rows
     rows = rows[:limit] if limit is not None else rows
     ids = tokenize_prompts(rows, tokenizer, use_chat_template=data.use_chat_template,
                            max_prompt_tokens=data.max_prompt_length)
@@ -54,12 +55,31 @@ def load_prompts(cfg: TrainConfig, tokenizer: Any, files: list[str],
 
 def _probe_custom_reward(rewards: RewardManager,
                          items: list[tuple[PromptRow, list[int]]]) -> None:
-    """Call a custom reward once before Ray starts, on the first two training rows with their
-    own answers as the responses, so one that raises or returns the wrong number of rewards
-    fails in seconds (RewardError), not after the workers have started."""
+    """Call a custom reward once before Ray starts, on the first two training rows, as the run
+    will call it: a response string (the row's answer when that is a string, else an empty
+    one), the row's answer, data source and extra_info as they are. One that raises or returns
+    the wrong number of rewards fails in seconds (RewardError), not after the workers have
+    started."""
     rows = [row for row, _ in items[:2]]
-    rewards.compute([row.answer for row in rows], [row.answer for row in rows],
-                    [row.data_source for row in rows])
+    rewards.compute([row.answer if isinstance(row.answer, str) else "" for row in rows],
+                    [row.answer for row in rows], [row.data_source for row in rows],
+                    extra_infos=[row.extra_info for row in rows])
+    rewards.take_metrics()
+
+
+def _check_rule_answers(cfg: TrainConfig, items: list[tuple[PromptRow, list[int]]]) -> None:
+    """The rule rewards compare text: a row whose answer is a mapping or a list (verl's
+    ``reward_model`` column, named by data.answer_key) would score 0 for every response."""
+    if cfg.reward.custom_function or cfg.uses_reward_model or cfg.environment.enabled:
+        return
+    for row, _ in items:
+        if isinstance(row.answer, bool) or not isinstance(row.answer, str | int | float):
+            preview = str(row.answer)[:60]
+            raise ConfigError(
+                f"{row.origin}: data.answer_key={cfg.data.answer_key!r} is a "
+                f"{type(row.answer).__name__} ({preview}), but the rule rewards compare text; "
+                "name the text field (a dotted key, e.g. reward_model.ground_truth) or set "
+                "reward.custom_function")
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -100,9 +120,12 @@ def _resume_state(cfg: TrainConfig, store: CheckpointStore,
 
 
 def _check_loader_state(loader: PromptLoader, state: dict[str, Any], path: Path) -> None:
+    if not isinstance(state.get("loader"), dict):
+        raise CheckpointError(f"cannot resume from {path}: its {CONTROLLER_STATE_FILE} has no "
+                              "'loader' entry (the position in the training data)")
     try:
         loader.load_state_dict(state["loader"])
-    except (ConfigError, KeyError) as exc:
+    except ConfigError as exc:
         raise CheckpointError(f"cannot resume from {path}: {exc}") from None
 
 
@@ -150,6 +173,12 @@ def _load_data(cfg: TrainConfig, resume_state: dict[str, Any] | None,
         train_items = load_prompts(cfg, tokenizer, cfg.data.train_files)
         val_items = (load_prompts(cfg, tokenizer, cfg.data.val_files, cfg.data.val_max_prompts)
                      if cfg.data.val_files else [])
+        _check_rule_answers(cfg, train_items + val_items)
+    if cfg.data.prompts_per_step > len(train_items):
+        raise ConfigError(
+            f"data.prompts_per_step={cfg.data.prompts_per_step} is more than the "
+            f"{len(train_items)} training {'examples' if cfg.is_offline else 'prompts'} in "
+            "data.train_files: every step takes that many, and a partial last batch is dropped")
     loader = PromptLoader(train_items, batch_size=cfg.data.prompts_per_step, seed=cfg.data.seed)
     if resume_state is not None:
         _check_loader_state(loader, resume_state, resume_from)
@@ -173,8 +202,8 @@ def _first_step(run: Run, store: CheckpointStore, resume_from: Path | None) -> i
 
 
 def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
-    from rlhf_megatron.controller.groups import build_groups
-    from rlhf_megatron.controller.ray_cluster import reserve_pools, start_ray
+    from rlhf_megatron.cluster.groups import build_groups
+    from rlhf_megatron.cluster.ray_cluster import reserve_pools, start_ray
 
     plan = validate_config(cfg)
     for warning in config_warnings(cfg):
@@ -230,7 +259,7 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
         stop.in_loop, stop.tearing_down = False, True
         _teardown(groups, pids, rewards, logger)
     if cfg.metrics.plot:
-        from rlhf_megatron.controller.plot import plot_metrics
+        from rlhf_megatron.records.plot import plot_metrics
 
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "plot.png",
                      **({"keys": PLOT_KEYS[cfg.algorithm.name]} if offline is not None else {}))

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_megatron.controller import phases
-from rlhf_megatron.controller.metrics import PhaseTimer
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.data.batch import TokenBatch
+from rlhf_megatron.records.metrics import PhaseTimer
 
 
 @dataclass

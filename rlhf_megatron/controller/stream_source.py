@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from rlhf_megatron.algorithms.dapo import informative_groups
+from rlhf_megatron.config.rollout_mode import pipeline_depth
 from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.async_rollout import AsyncRollout
-from rlhf_megatron.controller.async_stream import PromptStream, pipeline_depth
-from rlhf_megatron.controller.metrics import PhaseTimer
+from rlhf_megatron.controller.async_stream import PromptStream
 from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.sources import StepRollout
+from rlhf_megatron.records.metrics import PhaseTimer
 from rlhf_megatron.rollout.async_batch import (
     episode_scores,
     group_metrics,
@@ -56,7 +57,8 @@ def _submit(run: Run, rollout: AsyncRollout, stream: PromptStream, count: int) -
     items, cfg = stream.take(count), run.cfg
     if cfg.environment.enabled:
         rollout.submit_episodes([(key, {"prompt": row.prompt, "answer": row.answer,
-                                        "data_source": row.data_source})
+                                        "data_source": row.data_source,
+                                        "extra_info": row.extra_info})
                                  for key, (row, _) in items], cfg.environment,
                                 cfg.rollout.sampling, cfg.trainer.seed)
     else:

@@ -10,6 +10,9 @@
 Files are .jsonl (one JSON object per line; blank lines are skipped) or .parquet, or a directory
 of such files read in sorted name order. Every row needs the prompt and answer fields; the data
 source field is optional and defaults to the file's stem (it picks the reward function later).
+A key may be a dotted path into nested fields: verl's rows keep the answer in
+``reward_model.ground_truth``. The optional ``extra_info`` field is carried to custom rewards and
+environments as it is.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ class PromptRow:
     answer: the reference answer, as stored in the file (passed to the reward function as is).
     data_source: names the reward function; defaults to the file's stem.
     origin: "path line N" (jsonl) or "path row N" (parquet), 1-based, for error messages.
+    extra_info: the row's extra_info field (verl's), or None; custom rewards get it as it is.
     """
 
     prompt: Prompt
     answer: Any
     data_source: str
     origin: str
+    extra_info: Any = None
 
 
 class PromptDataset(Sequence[PromptRow]):
@@ -60,9 +65,10 @@ class PromptDataset(Sequence[PromptRow]):
     @classmethod
     def from_file(
         cls, path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
-        data_source_key: str = "data_source",
+        data_source_key: str = "data_source", extra_info_key: str = "extra_info",
     ) -> PromptDataset:
-        """Read a .jsonl or .parquet file, or every such file in a directory (sorted by name)."""
+        """Read a .jsonl or .parquet file, or every such file in a directory (sorted by name).
+        Each key may be a dotted path into nested fields (``reward_model.ground_truth``)."""
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"prompt data {str(path)!r} does not exist")
@@ -80,20 +86,51 @@ class PromptDataset(Sequence[PromptRow]):
             )
         else:
             files = [path]
-        keys = (prompt_key, answer_key, data_source_key)
+        keys = (prompt_key, answer_key, data_source_key, extra_info_key)
         rows = [row for file in files for row in _read_file(file, *keys)]
         if not rows:
             raise ConfigError(f"prompt data {str(path)!r} is empty (no rows)")
         return cls(rows)
 
 
-def _read_file(file: Path, prompt_key: str, answer_key: str, data_source_key: str) -> list[PromptRow]:
+def _read_file(file: Path, prompt_key: str, answer_key: str, data_source_key: str,
+               extra_info_key: str) -> list[PromptRow]:
     records: Iterator[tuple[str, Any]]
     records = _jsonl_records(file) if file.suffix == ".jsonl" else _parquet_records(file)
     return [
-        _to_row(record, f"{file} {where}", prompt_key, answer_key, data_source_key, file.stem)
+        _to_row(record, f"{file} {where}", (prompt_key, answer_key, data_source_key,
+                                             extra_info_key), file.stem)
         for where, record in records
     ]
+
+
+_ABSENT = object()
+
+
+def field_at(record: Mapping[str, Any], key: str) -> Any:
+    """``record[key]``, where a dotted key walks into nested mappings
+    (``reward_model.ground_truth``); a field whose own name has the dots wins. _ABSENT (or a
+    stored None) when it is not there."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+def _missing(record: Mapping[str, Any], key: str) -> str:
+    """What the record holds where `key` was looked for (the fields of the deepest level
+    reached), for the error message."""
+    level: Any = record
+    where = ""
+    for part in key.split(".")[:-1]:
+        if not isinstance(level, Mapping) or not isinstance(level.get(part), Mapping):
+            break
+        level, where = level[part], f"{where}{part}."
+    return f"fields present{f' in {where[:-1]!r}' if where else ''}: {sorted(level)}"
 
 
 def _jsonl_records(file: Path) -> Iterator[tuple[str, Any]]:
@@ -120,26 +157,26 @@ def _parquet_records(file: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {number}", record
 
 
-def _to_row(
-    record: Any, origin: str, prompt_key: str, answer_key: str, data_source_key: str,
-    default_source: str,
-) -> PromptRow:
+def _to_row(record: Any, origin: str, keys: tuple[str, str, str, str],
+            default_source: str) -> PromptRow:
+    prompt_key, answer_key, data_source_key, extra_info_key = keys
     if not isinstance(record, Mapping):
         raise ConfigError(f"{origin}: expected a JSON object, got {type(record).__name__}")
+    values = {}
     for key in (prompt_key, answer_key):
-        if record.get(key) is None:
-            raise ConfigError(
-                f"{origin}: missing field {key!r} (fields present: {sorted(record)})"
-            )
-    source = record.get(data_source_key)
-    if source is None:
+        values[key] = field_at(record, key)
+        if values[key] is _ABSENT or values[key] is None:
+            raise ConfigError(f"{origin}: missing field {key!r} ({_missing(record, key)})")
+    source = field_at(record, data_source_key)
+    if source is _ABSENT or source is None:
         source = default_source
     elif not isinstance(source, str):
         raise ConfigError(
             f"{origin}: field {data_source_key!r} must be a string, got {type(source).__name__}"
         )
-    return PromptRow(_check_prompt(record[prompt_key], origin, prompt_key),
-                     record[answer_key], source, origin)
+    extra = field_at(record, extra_info_key)
+    return PromptRow(_check_prompt(values[prompt_key], origin, prompt_key), values[answer_key],
+                     source, origin, None if extra is _ABSENT else extra)
 
 
 def _check_prompt(prompt: Any, origin: str, key: str) -> Prompt:

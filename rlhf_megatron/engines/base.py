@@ -35,6 +35,11 @@ from rlhf_megatron.engines.config import EngineConfig, distributed_optimizer_ena
 from rlhf_megatron.engines.context_parallel import CpSplit, context_parallel_group
 from rlhf_megatron.engines.offload import Offloader
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
+from rlhf_megatron.models.builder import packs_by_cu_seqlens
+from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata, is_megatron_checkpoint
+from rlhf_megatron.models.hf_checkpoint import load_hf_config
+from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
 from rlhf_megatron.parallel import ParallelDims
 from rlhf_megatron.platform import current_platform
 
@@ -89,8 +94,6 @@ class MegatronEngine:
     ) -> None:
         from megatron.core import parallel_state
 
-        from rlhf_megatron.models import ARCHITECTURES, hf_to_megatron_args
-
         config.validate()
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("initialize_layout(dims) must run before an engine is built")
@@ -133,21 +136,14 @@ class MegatronEngine:
 
     @property
     def from_dist_checkpoint(self) -> bool:
-        from rlhf_megatron.models.checkpoint_meta import is_megatron_checkpoint
-
         return is_megatron_checkpoint(self.hf_dir)
 
     def _load_hf_config(self, hf_dir: Path) -> Any:
-        from rlhf_megatron.models.hf_checkpoint import load_hf_config
-
         if self.from_dist_checkpoint:
-            from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata
-
             return ConvertedMetadata.read(hf_dir).hf_config_object()
         return load_hf_config(hf_dir)
 
     def _build_chunks(self) -> list[Any]:
-        from rlhf_megatron.models import build_model_chunks
         from rlhf_megatron.models.hf_load import load_hf_into_model
 
         chunks = build_model_chunks(self.args)
@@ -273,7 +269,6 @@ class MegatronEngine:
                            pad_to=2 * cp_size if cp_size > 1 else 1)
         rows = rows.to(device)
         tokens, positions = packed.tokens.to(device), packed.position_ids.to(device)
-        from rlhf_megatron.models.builder import packs_by_cu_seqlens
 
         if cp_size > 1:  # the unfused attention was refused at build time
             split = CpSplit.build(packed.padded_lengths.tolist(), cp_group)
@@ -476,7 +471,6 @@ class MegatronEngine:
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(global Megatron name, parameter) of this rank's shard, over all chunks."""
-        from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
         from rlhf_megatron.models.moe_layers import expert_offset_of
 
         named = []

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from rlhf_megatron.engines.optimizer_state import load_optimizer_state, sharded_optimizer_state
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.checkpoint_meta import ASSETS_DIR, ConvertedMetadata, copy_hf_assets
 
 
 def _model_sharded_state(engine: Any) -> dict[str, Any]:
@@ -116,8 +117,6 @@ def save_engine_checkpoint(engine: Any, directory: str | Path, *, step: int) -> 
 def _write_conversion_metadata(engine: Any, staging: Path) -> None:
     """The metadata `checkpoint_tools mcore-to-hf` reads, so a training checkpoint exports to HF
     like a converted one (config and tokenizer files are copied along)."""
-    from rlhf_megatron.models.checkpoint_meta import ASSETS_DIR, ConvertedMetadata, copy_hf_assets
-
     assets = copy_hf_assets(engine.hf_dir, staging / ASSETS_DIR) if engine.hf_dir.is_dir() else []
     tc = engine.args.transformer_config
     ConvertedMetadata(

@@ -29,6 +29,10 @@ from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.packing import unpack_rows
 from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
 from rlhf_megatron.errors import CheckpointError, ConfigError
+from rlhf_megatron.models import build_model_chunks
+from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
+from rlhf_megatron.models.param_mapping import ModelShapes
+from rlhf_megatron.models.registry import ARCHITECTURES
 
 # HF sequence-classification architecture -> the causal-LM family whose body it shares.
 SEQUENCE_CLASSIFICATION_BASES = {
@@ -67,11 +71,7 @@ class ValueModelEngine(MegatronEngine):
     """A reward model must find `score.weight`; a critic may start with a fresh head."""
 
     def _build_chunks(self) -> list[Any]:
-        from rlhf_megatron.models import build_model_chunks
-        from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
         from rlhf_megatron.models.hf_load import load_hf_weights
-        from rlhf_megatron.models.param_mapping import ModelShapes
-        from rlhf_megatron.models.registry import ARCHITECTURES
 
         self.args = dataclasses.replace(self.args, tie_word_embeddings=False)
         chunks = build_model_chunks(self.args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_megatron.environments.loader import load_environment
 from rlhf_megatron.errors import ConfigError
 
 
@@ -44,8 +45,6 @@ class EnvironmentConfig:
                 f"environment.max_tokens_per_turn={self.max_tokens_per_turn} exceeds "
                 f"environment.max_tokens_per_episode={self.max_tokens_per_episode}")
         if self.path is not None:
-            from rlhf_megatron.environments.loader import load_environment
-
             load_environment(self.path)
 
     @property

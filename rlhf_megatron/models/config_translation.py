@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.registry import ArchitectureSpec
 from rlhf_megatron.parallel.dims import ParallelDims
-from rlhf_megatron.platform import Platform, current_platform
+from rlhf_megatron.platform import Platform, current_platform, transformer_engine_available
 
 # Megatron-LM pads the vocabulary to a multiple of 128 * tp so each TP shard stays GEMM-friendly.
 DEFAULT_VOCAB_DIVISOR = 128
@@ -169,8 +169,6 @@ def hf_to_megatron_args(
     cp_comm_type: how TE attention exchanges K/V when dims.cp > 1 (EngineConfig.cp_comm_type).
     """
     from megatron.core.transformer import TransformerConfig
-
-    from rlhf_megatron.platform import transformer_engine_available
 
     platform = platform or current_platform()
     dims.validate_for_model(

@@ -15,7 +15,7 @@ from rlhf_megatron.models.registry import ARCHITECTURES, ArchitectureSpec, requi
 def _check_llama_like(cfg: Any) -> None:
     require(
         getattr(cfg, "hidden_act", "silu") == "silu",
-        f"hidden_act={cfg.hidden_act!r} is unsupported (SwiGLU with 'silu' only)",
+        f"hidden_act={getattr(cfg, 'hidden_act', None)!r} is unsupported (SwiGLU with 'silu' only)",
     )
     require(
         not getattr(cfg, "mlp_bias", False),

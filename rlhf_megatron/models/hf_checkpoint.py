@@ -212,6 +212,10 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return list(self._file_of)
 
+    def files(self) -> list[Path]:
+        """Every safetensors file the checkpoint names, sorted."""
+        return sorted(set(self._file_of.values()))
+
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 

@@ -19,6 +19,7 @@ from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
 from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
 from rlhf_megatron.models.moe_layers import expert_offset_of
 from rlhf_megatron.models.param_mapping import MappingTable, ModelShapes, ShardContext
+from rlhf_megatron.models.registry import ARCHITECTURES
 
 
 @dataclass
@@ -79,8 +80,6 @@ def load_hf_into_model(chunks: Sequence[Any], hf_dir: str | Path, args: Any) -> 
     Must run after `initialize_layout`; the architecture comes from the checkpoint's config.json.
     """
     from megatron.core import parallel_state
-
-    from rlhf_megatron.models.registry import ARCHITECTURES
 
     with HFCheckpoint(hf_dir) as checkpoint:
         spec = ARCHITECTURES.for_hf_config(checkpoint.config)

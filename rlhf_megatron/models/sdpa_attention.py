@@ -36,6 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.sdpa_cp import cp_attention
 
 # enable_gqa exists from torch 2.5 on (the pinned CPU build is 2.13, the H200 has 2.11).
 _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
@@ -226,8 +227,6 @@ class SDPAttention(MegatronModule):
         cu_seqlens: Tensor | None, dropout_p: float,
     ) -> Tensor:
         """This CP rank's queries over its group's K/V (models/sdpa_cp.py); causal only."""
-        from rlhf_megatron.models.sdpa_cp import cp_attention
-
         if mask is not None or not causal:
             raise ValueError("context-parallel SDPA attention supports causal attention without "
                              "an explicit mask only")

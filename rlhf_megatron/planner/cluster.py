@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from rlhf_megatron.config.schema import TrainConfig
 from rlhf_megatron.errors import ConfigError
 
+MAX_GPU_MEM_GIB = 1e6
+"""The most GiB one GPU may be given (1 PiB): far above any device, and far below where the
+estimate's byte counts overflow a float (1e300 GiB is inf bytes, and inf // x is NaN)."""
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -21,9 +25,10 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1 or not (
-                math.isfinite(self.gpu_mem_gib) and self.gpu_mem_gib > 0):
+                math.isfinite(self.gpu_mem_gib) and 0 < self.gpu_mem_gib <= MAX_GPU_MEM_GIB):
             raise ConfigError(f"cluster nodes={self.nodes}, gpus_per_node={self.gpus_per_node}, "
-                              f"gpu_mem_gb={self.gpu_mem_gib}: all must be positive")
+                              f"gpu_mem_gb={self.gpu_mem_gib}: all must be positive (GiB at "
+                              f"most {MAX_GPU_MEM_GIB:g})")
 
     @property
     def gpus(self) -> int:

@@ -10,6 +10,8 @@ import argparse
 import math
 from typing import Any
 
+from rlhf_megatron.planner.cluster import MAX_GPU_MEM_GIB
+
 _DESCRIPTION = """\
 Check a training config against a cluster before allocating it. Reads the model's shapes from
 model.config_json (or model.path/config.json), places the layouts on NODES x GPUS_PER_NODE
@@ -39,22 +41,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     check_finite(cfg)
     check_layout_values(cfg)
     report = plan_config(cfg, cluster, suggest=not args.no_suggest)
+    if report.fits:
+        # The layout fits; the rest of the config must still be valid. A config error is bad
+        # input: its one line comes first and alone (exit 2), before any of the report.
+        validate_config(on_cluster(cfg, cluster), check_paths=False)
     print(render(report, source=args.config))
-    if not report.fits:
-        return 1
-    # The layout fits; the rest of the config must still be valid (bad input exits 2).
-    validate_config(on_cluster(cfg, cluster), check_paths=False)
-    return 0
+    return 0 if report.fits else 1
 
 
-def _positive_gib(text: str) -> float:
+def positive_gib(text: str) -> float:
     """argparse type of --gpu-mem-gb: a finite number > 0 (nan and inf are bad input)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number of GiB > 0")
+    if not math.isfinite(value) or value <= 0 or value > MAX_GPU_MEM_GIB:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of GiB > 0 and <= "
+                                         f"{MAX_GPU_MEM_GIB:g}")
     return value
 
 
@@ -66,7 +69,7 @@ def add_plan_parser(commands: Any) -> None:
     plan.add_argument("--config", required=True, help="YAML training config (see configs/)")
     plan.add_argument("--nodes", type=int, required=True, help="number of nodes")
     plan.add_argument("--gpus-per-node", type=int, required=True, help="GPUs in each node")
-    plan.add_argument("--gpu-mem-gb", type=_positive_gib, required=True,
+    plan.add_argument("--gpu-mem-gb", type=positive_gib, required=True,
                       help="memory of one GPU in GiB (e.g. 80 for H100/A100 80GB)")
     plan.add_argument("--no-suggest", action="store_true",
                       help="do not search for a fitting layout when the config does not fit")

@@ -15,8 +15,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from rlhf_megatron.engines.critic import SEQUENCE_CLASSIFICATION_BASES
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models import ARCHITECTURES, head_dim_of, pad_vocab_size
+from rlhf_megatron.models.moe_config import is_moe_config, moe_shape
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,6 @@ class ModelShape:
 
 def _moe_fields(hf: Any) -> dict[str, Any]:
     """ModelShape's MoE fields of an HF config ({} for a dense one)."""
-    from rlhf_megatron.models.moe_config import is_moe_config, moe_shape
-
     if not is_moe_config(hf):
         return {}
     moe = moe_shape(hf)
@@ -198,8 +198,6 @@ def read_shape(config_json: Path) -> ModelShape:
         raise ConfigError(f"cannot read {config_json}: {exc}") from None
     names = list(getattr(hf, "architectures", None) or [])
     if len(names) == 1 and names[0] not in ARCHITECTURES.names():
-        from rlhf_megatron.engines.critic import SEQUENCE_CLASSIFICATION_BASES
-
         if names[0] in SEQUENCE_CLASSIFICATION_BASES:
             hf.architectures = [SEQUENCE_CLASSIFICATION_BASES[names[0]]]
     return ModelShape.from_hf(hf)

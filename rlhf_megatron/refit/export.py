@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
+from rlhf_megatron.models.registry import ARCHITECTURES
+
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 TIED_EMBEDDING, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -88,9 +91,6 @@ def iter_hf_tensors(
     added to it.
     """
     from megatron.core import parallel_state
-
-    from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
-    from rlhf_megatron.models.registry import ARCHITECTURES
 
     ep = parallel_state.get_expert_model_parallel_world_size()
     local_experts = (engine.args.transformer_config.num_moe_experts or 0) // ep

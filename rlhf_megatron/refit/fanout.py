@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.platform.net import free_port, node_ip
 from rlhf_megatron.refit.export import is_stage_sender
 from rlhf_megatron.refit.refit import RefitStats, refit_rollout
@@ -38,8 +39,6 @@ def _engine_died(exc: BaseException) -> bool:
     """A rollout engine's call failed because the engine is gone: its Ray actor died, or its
     vLLM process did (the worker raises WorkerFailure). Anything else is a bug and propagates."""
     from ray.exceptions import RayActorError, RayTaskError
-
-    from rlhf_megatron.errors import WorkerFailure
 
     if isinstance(exc, RayActorError):
         return True
@@ -82,8 +81,6 @@ class RayRolloutFanout:
                 self.lost.add(i)
                 self._first_loss = self._first_loss or str(exc)
         if len(self.lost) == len(self.handles):
-            from rlhf_megatron.errors import WorkerFailure
-
             first = (self._first_loss.strip().splitlines() or [""])[-1][:300]
             raise WorkerFailure(f"every rollout engine died during the refit: {first}")
         return results

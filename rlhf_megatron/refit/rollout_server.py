@@ -7,6 +7,8 @@ runs without Ray. Requests are (method, args); every reply is ("ok", value) or (
 
 from __future__ import annotations
 
+import threading
+import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -47,8 +49,6 @@ class RolloutService:
 
 def serve(service: RolloutService, listener: Listener, *, clients: int) -> None:
     """Answer requests until `clients` connections have each sent ("close",)."""
-    import threading
-
     lock = threading.Lock()  # one request at a time reaches the engine
 
     def handle(conn: Connection) -> None:
@@ -94,8 +94,6 @@ class RolloutConnection:
     @classmethod
     def wait_for(cls, address: tuple[str, int], *, timeout_s: float = 240.0) -> RolloutConnection:
         """Connect once the server listens; it starts vLLM first, which takes a while on CPU."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -22,6 +22,7 @@ group address); tensor bytes never go through pickle.
 
 from __future__ import annotations
 
+import datetime
 import os
 import uuid
 from dataclasses import dataclass
@@ -165,8 +166,6 @@ class BroadcastTransport:
 
 def two_party_group(address: tuple[str, int], *, rank: int, device: torch.device) -> Any:
     """A process group of exactly {sender: 0, rollout: 1}, outside the default world."""
-    import datetime
-
     import torch.distributed as dist
 
     store = dist.TCPStore(address[0], address[1], world_size=2, is_master=rank == 0,

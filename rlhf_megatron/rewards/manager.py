@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -43,7 +44,8 @@ class RewardConfig:
     """data_source -> rule reward name, e.g. ``{"openai/gsm8k": "gsm8k", "math": "boxed"}``."""
 
     custom_function: str | None = None
-    """``"path/to/file.py:function"``, a batched reward that replaces the rule rewards."""
+    """``"path/to/file.py:function"``, a reward function that replaces the rule rewards:
+    batched, or verl's per-sample ``compute_score`` (rewards/custom.py)."""
 
     format_score: float = 0.0
     """Reward of a rule-parsable but wrong answer (0.0 = plain accuracy)."""
@@ -92,6 +94,8 @@ class RewardManager:
         )
         self.timeouts = 0
         """Batches scored 0 after an overrun (``on_timeout: zero``)."""
+        self._metrics: list[tuple[int, dict[str, float]]] = []  # (batch size, its means)
+        self._metrics_lock = threading.Lock()
 
     def compute(
         self,
@@ -125,7 +129,7 @@ class RewardManager:
                      extra: dict[str, Any]) -> list[float]:
         assert self._process is not None
         try:
-            return self._process.call(responses, answers, extra, self.cfg.timeout_s)
+            rewards, metrics = self._process.call(responses, answers, extra, self.cfg.timeout_s)
         except RewardTimeout as exc:
             if self.cfg.on_timeout == "error":
                 raise
@@ -134,6 +138,23 @@ class RewardManager:
                        f"({self.timeouts} timed-out batches so far)")
             print(f"[rlhf_megatron] warning: {message}", file=sys.stderr, flush=True)
             return [0.0] * len(responses)
+        if metrics:
+            with self._metrics_lock:
+                self._metrics.append((len(responses), metrics))
+        return rewards
+
+    def take_metrics(self) -> dict[str, float]:
+        """The means of a custom function's extra keys (``reward/<key>``) over the batches scored
+        since the last call, weighted by batch size; then forgets them."""
+        with self._metrics_lock:
+            batches, self._metrics = self._metrics, []
+        totals: dict[str, list[float]] = {}
+        for size, metrics in batches:
+            for key, value in metrics.items():
+                total = totals.setdefault(key, [0.0, 0.0])
+                total[0] += size * value
+                total[1] += size
+        return {key: total / count for key, (total, count) in totals.items()}
 
     def _compute_rules(
         self, responses: list[str], answers: list[str], data_sources: list[str] | None

@@ -7,7 +7,7 @@ dies with the trainer too (PR_SET_PDEATHSIG), so a kill -9 of the trainer leaves
 
 Protocol on the child's stdin/stdout: 8-byte big-endian length + pickle, both ways. The child
 first answers ("ready", None) or ("error", message) after loading the function, then one
-("ok", rewards) or ("error", message) per batch. The user's prints go to stderr.
+("ok", (rewards, metrics)) or ("error", message) per batch. The user's prints go to stderr.
 
     python -c "$_CHILD" "path/to/file.py:function"      # how RewardProcess starts it
 """
@@ -97,9 +97,10 @@ class RewardProcess:
         return proc
 
     def call(self, responses: list[str], answers: list[Any], extra: dict[str, Any],
-             timeout_s: float) -> list[float]:
-        """The checked rewards of one batch (RewardError as CustomReward raises them);
-        RewardTimeout after `timeout_s` seconds, with the child killed."""
+             timeout_s: float) -> tuple[list[float], dict[str, float]]:
+        """The checked rewards of one batch and the means of the function's extra keys
+        (custom.Scored; RewardError as CustomReward raises them); RewardTimeout after
+        `timeout_s` seconds, with the child killed."""
         with self._lock:
             proc = self._proc if self._proc is not None and self._proc.poll() is None \
                 else self._start()
@@ -180,6 +181,7 @@ def main(spec: str) -> None:
     while header := stdin.read(_HEADER.size):
         responses, answers, extra = pickle.loads(stdin.read(_HEADER.unpack(header)[0]))
         try:
-            _write(out, ("ok", fn(responses, answers, **extra)))
+            scored = fn.score(responses, answers, **extra)
+            _write(out, ("ok", (scored.rewards, scored.metrics)))
         except RewardError as exc:
             _write(out, ("error", str(exc)))

@@ -26,6 +26,7 @@ scripts that build this engine need `if __name__ == "__main__":`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import pickle
 import threading
 import time
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 
 from rlhf_megatron.errors import ConfigError, WorkerFailure
+from rlhf_megatron.refit.buckets import BucketLayout, TensorSpec, _aligned
+from rlhf_megatron.refit.transports import SharedMemoryTransport
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 from rlhf_megatron.rollout.vllm_engine import (
     init_engine_state,
@@ -123,8 +126,6 @@ class AsyncRolloutEngine:
     def _call(self, coro: Coroutine, timeout: float | None = 300) -> Any:
         """Run `coro` on the engine's loop and wait for it; a dead vLLM engine process becomes a
         one-line WorkerFailure."""
-        import concurrent.futures
-
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -389,9 +390,6 @@ class AsyncRolloutEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors held in this process (staged through shared memory)."""
-        from rlhf_megatron.refit.buckets import BucketLayout, TensorSpec, _aligned
-        from rlhf_megatron.refit.transports import SharedMemoryTransport
-
         items = [(n, t.detach().contiguous().cpu()) for n, t in named_tensors]
         specs, offset = [], 0
         for name, tensor in items:

@@ -14,6 +14,7 @@ from typing import Any
 
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.environments.config import EnvironmentConfig
+from rlhf_megatron.environments.loader import load_environment
 from rlhf_megatron.rollout.async_engine import SampleRecord
 from rlhf_megatron.rollout.episodes import (
     ChatFormat,
@@ -24,6 +25,7 @@ from rlhf_megatron.rollout.episodes import (
     episode_metrics,
     episodes_to_batch,
 )
+from rlhf_megatron.rollout.vllm_engine import prompt_seed
 
 _TURN_SEED_STRIDE = 7919
 
@@ -58,9 +60,6 @@ def run_episodes(engine: Any, cfg: EnvironmentConfig, samples: Sequence[dict[str
     ``scores`` field holds each episode's summed reward) and episode_metrics."""
     import transformers
 
-    from rlhf_megatron.environments.loader import load_environment
-    from rlhf_megatron.rollout.vllm_engine import prompt_seed
-
     chat = ChatFormat(transformers.AutoTokenizer.from_pretrained(str(engine.hf_dir)))
     seeded = dataclasses.replace(sampling, seed=prompt_seed(sampling.seed, first_prompt))
     runner = EpisodeRunner(load_environment(cfg.path), cfg, chat, engine_turns(engine, seeded))
@@ -81,8 +80,6 @@ class EpisodeGroups:
 
     def __init__(self, engine: Any, cfg: EnvironmentConfig) -> None:
         import transformers
-
-        from rlhf_megatron.environments.loader import load_environment
 
         self.engine, self.cfg = engine, cfg
         self.chat = ChatFormat(transformers.AutoTokenizer.from_pretrained(str(engine.hf_dir)))

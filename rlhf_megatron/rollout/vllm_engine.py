@@ -26,6 +26,8 @@ import torch
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.sampling import VLLM_LOGPROBS_MODE, sampling_fields
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.models.hf_checkpoint import load_hf_config
 from rlhf_megatron.models.moe_vllm_repack import reload_weights_on_cpu_worker
 from rlhf_megatron.platform import current_platform
 from rlhf_megatron.platform.gc_pause import collector_paused
@@ -84,9 +86,6 @@ def init_engine_state(engine: Any, hf_dir: str | Path, config: RolloutConfig) ->
     """The set-up the batch and the async engine share: platform, config, the HF directory (a
     Megatron checkpoint's saved HF assets, then `awaiting_weights` until the first refit), its
     HF config checked against the rollout config, weight version 0, no update in progress."""
-    from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
-    from rlhf_megatron.models.hf_checkpoint import load_hf_config
-
     engine.platform = current_platform()
     engine.config = config
     engine.hf_dir = hf_assets_dir(hf_dir)

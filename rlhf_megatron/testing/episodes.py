@@ -9,6 +9,16 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.environments import load_environment
+from rlhf_megatron.environments.config import EnvironmentConfig
+from rlhf_megatron.rollout import SamplingSettings
+from rlhf_megatron.rollout.async_episodes import engine_turns
+from rlhf_megatron.rollout.episodes import (
+    ChatFormat,
+    EpisodeRunner,
+    episode_metrics,
+    episodes_to_batch,
+)
 from rlhf_megatron.testing.hf_reference import hf_batch_logprobs
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -49,8 +59,6 @@ def checked_against_hf(episodes: list, turns: list[tuple[int, list[int]]], tok, 
     ``weights`` if given)."""
     import transformers
 
-    from rlhf_megatron.rollout.episodes import episode_metrics, episodes_to_batch
-
     batch = episodes_to_batch(episodes)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     if weights is not None:
@@ -72,12 +80,6 @@ def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> d
     episodes through the episode runner (one request per turn), episode 0's first tool call sleeping SLOW_SECONDS; the
     facts checked by ``assert_async_episodes``."""
     import transformers
-
-    from rlhf_megatron.environments import load_environment
-    from rlhf_megatron.environments.config import EnvironmentConfig
-    from rlhf_megatron.rollout import SamplingSettings
-    from rlhf_megatron.rollout.async_episodes import engine_turns
-    from rlhf_megatron.rollout.episodes import ChatFormat, EpisodeRunner
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     samples = [{"prompt": f"question {i}", "slow": SLOW_SECONDS if i == 0 else 0.0}

@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from rlhf_megatron.controller.lifecycle import SEGMENT_PREFIX, segment_pid
+from rlhf_megatron.cluster.lifecycle import SEGMENT_PREFIX, segment_pid
 
 
 def refit_segments() -> set[str]:

@@ -7,6 +7,8 @@ ranks connect to it, refit their weights into it and ask it for log-probs and gr
 
 from __future__ import annotations
 
+import os
+from multiprocessing.connection import Listener
 from typing import Any
 
 import torch
@@ -17,9 +19,6 @@ from rlhf_megatron.testing.hf_reference import VLLM_ENV
 def serve_rollout(hf_dir: str, port: int, clients: int = 1, max_model_len: int = 128) -> None:
     """Start a VllmRolloutEngine on `hf_dir` (in this process, VLLM_ENV) and serve `clients`
     connections on 127.0.0.1:`port` until they close (the target of a spawned process)."""
-    import os
-    from multiprocessing.connection import Listener
-
     os.environ.update(VLLM_ENV)
     from rlhf_megatron.refit.rollout_server import AUTHKEY, RolloutService, serve
     from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine

@@ -5,12 +5,14 @@ it at chosen moments, and one Ray cluster that many runs join (RayHead)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,9 +66,6 @@ def train_in_process(overrides: list[str], capfd, config: Path = CONFIG
     descriptors (`capfd`), with every warning and every WARNING-or-above log record written
     there as the CLI's own process would print them (pytest would otherwise hold them back), so
     a one-line-stderr check is as strict as on a subprocess. Ray must not have started."""
-    import logging
-    import warnings
-
     import ray
 
     from rlhf_megatron.cli import main

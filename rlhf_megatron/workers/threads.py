@@ -1,7 +1,7 @@
 """Threads follow the work (CPU): a worker takes its share of its pool's cores for the length of a
 compute call, and gives them back after.
 
-Every Ray worker starts with OMP_NUM_THREADS=1 (controller/ray_cluster.py), so imports, start-up
+Every Ray worker starts with OMP_NUM_THREADS=1 (cluster/ray_cluster.py), so imports, start-up
 and idle workers never oversubscribe the cores. A method decorated with `on_cores` raises the
 worker's intra-op threads to `self.threads` (set at creation from the pool, see
 ray_cluster.worker_threads) while it runs: in the hybrid layout the phases take turns, so the

@@ -101,10 +101,10 @@ def test_long_prompt_hint_names_a_real_key():
 
 def test_resume_checks_before_ray(tmp_path):
     """Nothing left to train, and another prompt count, are found from the checkpoint alone."""
-    from rlhf_megatron.controller.checkpoint_store import CheckpointStore
     from rlhf_megatron.controller.run import _check_loader_state, _resume_state
     from rlhf_megatron.data.prompts import PromptLoader
     from rlhf_megatron.errors import CheckpointError
+    from rlhf_megatron.records.checkpoint_store import CheckpointStore
 
     store = CheckpointStore(tmp_path, keep_last=0)
     loader = PromptLoader(list(range(10)), batch_size=2, seed=0)

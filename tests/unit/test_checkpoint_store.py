@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore, checkpoint_step
 from rlhf_megatron.errors import CheckpointError, ConfigError
+from rlhf_megatron.records.checkpoint_store import CheckpointStore, checkpoint_step
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_kill_9_while_writing_keeps_previous_checkpoint(tmp_path):
     writer = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from rlhf_megatron.controller.checkpoint_store import CheckpointStore\n"
+        "from rlhf_megatron.records.checkpoint_store import CheckpointStore\n"
         "tmp = CheckpointStore(Path(sys.argv[1]), keep_last=2).begin(2)\n"
         "with open(tmp / 'big.bin', 'wb') as f:\n"
         "    for i in range(100000):\n"

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from rlhf_megatron.controller.metrics import (
+from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.records.metrics import (
     ConsoleSink,
     JsonlSink,
     MetricsLogger,
@@ -18,7 +19,6 @@ from rlhf_megatron.controller.metrics import (
     build_metrics_logger,
     read_metrics,
 )
-from rlhf_megatron.errors import ConfigError
 
 
 def test_console_sink_formats_known_keys_with_4_significant_digits(capsys):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_megatron.controller.plot import main, plot_metrics
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.records.plot import main, plot_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ def test_cli_main_writes_png_and_reports_bad_input(tmp_path, capsys):
 
 def test_cli_module_help():
     result = subprocess.run(
-        [sys.executable, "-m", "rlhf_megatron.controller.plot", "--help"],
+        [sys.executable, "-m", "rlhf_megatron.records.plot", "--help"],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

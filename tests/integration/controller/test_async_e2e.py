@@ -19,7 +19,7 @@ import os
 import signal
 from pathlib import Path
 
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.records.checkpoint_store import CheckpointStore
 from rlhf_megatron.testing.train_runs import (
     RayHead,
     kill_mid_run,

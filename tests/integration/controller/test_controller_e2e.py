@@ -185,7 +185,7 @@ def test_grpo_run_outputs(grpo, assets: Path, tmp_path: Path) -> None:
     assert records[0]["kl"] == 0.0 and records[2]["kl"] > 0.0  # the policy moved off the ref
     assert all(r["actor/grad_norm"] > 0 and "actor/kl_loss" in r for r in records)
     # the plot is the one plot_metrics draws from the whole metrics.jsonl (Agg: byte for byte)
-    from rlhf_megatron.controller.plot import plot_metrics
+    from rlhf_megatron.records.plot import plot_metrics
 
     again = plot_metrics(run_dir / "metrics.jsonl", tmp_path / "plot.png")
     assert (run_dir / "plot.png").read_bytes() == again.read_bytes()

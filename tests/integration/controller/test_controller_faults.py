@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.records.checkpoint_store import CheckpointStore
 from rlhf_megatron.testing.processes import leaked_refit_segments, refit_segments
 from rlhf_megatron.testing.train_runs import (
     RayHead,

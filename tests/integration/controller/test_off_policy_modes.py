@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore
+from rlhf_megatron.records.checkpoint_store import CheckpointStore
 from rlhf_megatron.testing.train_runs import (
     REPO,
     RayHead,

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from rlhf_megatron.cli import main
-from rlhf_megatron.controller.checkpoint_store import CheckpointStore, verify_checkpoint
-from rlhf_megatron.controller.lifecycle import EXIT_PREEMPTED
+from rlhf_megatron.cluster.lifecycle import EXIT_PREEMPTED
 from rlhf_megatron.quickstart import prepare
+from rlhf_megatron.records.checkpoint_store import CheckpointStore, verify_checkpoint
 from rlhf_megatron.testing.processes import leaked_refit_segments, pids_with_env, refit_segments
 from rlhf_megatron.testing.train_runs import (
     REPO,

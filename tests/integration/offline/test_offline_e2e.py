@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_megatron.controller.lifecycle import EXIT_PREEMPTED
+from rlhf_megatron.cluster.lifecycle import EXIT_PREEMPTED
 from rlhf_megatron.offline.quickstart import prepare
 from rlhf_megatron.testing.train_runs import (
     REPO,

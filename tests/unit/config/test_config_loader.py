@@ -123,8 +123,12 @@ def test_a_megatron_checkpoint_is_a_model_path_but_not_a_critic_path(tmp_path: P
     with pytest.raises(ConfigError, match="config.json is missing"):
         validate_config(load_config(None, overrides))
     (checkpoint / "hf_assets" / "config.json").write_text(
-        '{"num_attention_heads": 6, "num_key_value_heads": 2, "num_hidden_layers": 4, '
-        '"hidden_size": 192, "max_position_embeddings": 512}')
+        '{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 6, '
+        '"num_key_value_heads": 2, "num_hidden_layers": 4, "hidden_size": 192, '
+        '"max_position_embeddings": 512}')
+    with pytest.raises(ConfigError, match="no tokenizer files"):
+        validate_config(load_config(None, overrides))
+    (checkpoint / "hf_assets" / "tokenizer.json").write_text("{}")
     validate_config(load_config(None, overrides))
     with pytest.raises(ConfigError, match="actor.layout: num_attention_heads=6"):  # read it
         validate_config(load_config(None, [*overrides, "actor.layout.tp=4",

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from rlhf_megatron.cli import main
-from rlhf_megatron.controller.checkpoint_store import (
+from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.records.checkpoint_store import (
     COMPLETE_MARKER,
     MANIFEST_FILE,
     CheckpointStore,
     checkpoint_statuses,
     verify_checkpoint,
 )
-from rlhf_megatron.errors import CheckpointError
 
 
 def _save(store: CheckpointStore, step: int) -> Path:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rlhf_megatron.controller.lifecycle import (
+from rlhf_megatron.cluster.lifecycle import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     GracefulStop,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf_megatron.controller import groups as groups_module
+from rlhf_megatron.cluster import groups as groups_module
 from rlhf_megatron.errors import WorkerFailure
 
 

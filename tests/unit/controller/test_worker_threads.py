@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_megatron.cluster import ray_cluster
 from rlhf_megatron.config import load_config
 from rlhf_megatron.config.validate import plan_devices
-from rlhf_megatron.controller import ray_cluster
 from rlhf_megatron.workers.threads import on_cores
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "quickstart_cpu.yaml"

@@ -147,8 +147,8 @@ def test_the_retired_batched_episode_engine_exits_2_with_one_line(tmp_path, caps
 def test_episodes_pick_the_async_engine():
     """The trainer's rollout workers: AsyncLLM for episodes, the batch engine for single-turn
     sync runs."""
+    from rlhf_megatron.cluster.groups import rollout_worker_class
     from rlhf_megatron.config import load_config
-    from rlhf_megatron.controller.groups import rollout_worker_class
     from rlhf_megatron.workers import RolloutWorker
     from rlhf_megatron.workers.async_rollout_worker import AsyncRolloutWorker
 

@@ -1,4 +1,4 @@
-"""The actor's typed facade (controller/facades.py ActorGroup) calls the offline methods of
+"""The actor's typed facade (cluster/facades.py ActorGroup) calls the offline methods of
 MegatronWorker by their Python names: every call it makes names a method the worker has, with
 the batch sharded over DP where the worker expects a shard. A fake group records the calls (no
 Ray)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_megatron.controller.facades import ActorGroup
+from rlhf_megatron.cluster.facades import ActorGroup
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.workers.megatron_worker import MegatronWorker
 

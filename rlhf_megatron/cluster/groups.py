@@ -10,24 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rlhf_megatron.config import DevicePlan, TrainConfig
-from rlhf_megatron.config.roles import megatron_roles
-from rlhf_megatron.controller.async_stream import buffer_capacity
-from rlhf_megatron.controller.facades import (
+from rlhf_megatron.cluster.facades import (
     ActorGroup,
     CriticGroup,
     RewardModelGroup,
     RolloutGroup,
 )
-from rlhf_megatron.controller.ray_cluster import DevicePool, worker_threads
-from rlhf_megatron.controller.worker_group import WorkerGroup, remote, wait_all
+from rlhf_megatron.cluster.ray_cluster import DevicePool, worker_threads
+from rlhf_megatron.cluster.worker_group import WorkerGroup, remote, wait_all
+from rlhf_megatron.config import DevicePlan, TrainConfig
+from rlhf_megatron.config.roles import megatron_roles
+from rlhf_megatron.config.rollout_mode import buffer_capacity
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.workers import AsyncRolloutWorker, EngineSpec, MegatronWorker, RolloutWorker
 
 
 @dataclass
 class RunGroups:
-    """The run's worker groups, each behind its typed facade (controller/facades.py)."""
+    """The run's worker groups, each behind its typed facade (cluster/facades.py)."""
 
     actor: ActorGroup
     rollout: RolloutGroup | None

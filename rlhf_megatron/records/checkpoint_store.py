@@ -14,9 +14,11 @@ A checkpoint is visible only once it has been renamed to ``step_XXXXXXXX`` with 
 marker inside, so a crash (or ``kill -9``) at any point leaves ``latest()`` on the previous one.
 
 Integrity: a file damaged after the commit (a truncated ``.distcp`` with COMPLETE intact) is
-caught by ``verify()`` against the manifest. ``resolve_resume("auto")`` verifies the newest
-complete checkpoint before any worker starts and falls back to the previous one with a warning
-that names the reason. CRC-32 (zlib) runs at about 2 GB/s on one core.
+caught by ``verify()`` against the manifest. ``resolve_resume("auto")`` checks the newest
+checkpoint with a COMPLETE marker before any worker starts (its controller state readable, its
+files as the manifest says) and falls back to an older intact one with one warning naming both
+and the reason; when none is intact it is an error, never a silent start-over. CRC-32 (zlib)
+runs at about 2 GB/s on one core.
 """
 
 from __future__ import annotations
@@ -213,23 +215,44 @@ class CheckpointStore:
         return path
 
     def latest_intact(self) -> Path | None:
-        """The newest complete checkpoint that passes ``verify_checkpoint``; each damaged newer
-        one is skipped with a warning naming it and the reason. None when there is none at all;
-        CheckpointError when there are complete checkpoints but every one is damaged."""
-        complete = self.complete_checkpoints()
+        """The newest checkpoint with a COMPLETE marker that is intact: a readable controller
+        state and every file as its manifest says (``verify_checkpoint``). When newer ones are
+        damaged, one warning names them, their reasons and the checkpoint resumed from instead.
+        None when no checkpoint has a COMPLETE marker; CheckpointError when every one that has
+        is damaged (a run is never silently started over)."""
+        marked = self._marked_checkpoints()
         problems = []
-        for path in reversed(complete):
-            problem = verify_checkpoint(path, self.verify_mode)
+        for path in reversed(marked):
+            problem = self._state_problem(path) or verify_checkpoint(path, self.verify_mode)
             if problem is None:
+                if problems:
+                    _say(f"warning: {'; '.join(problems)}; falling back to the older complete "
+                         f"checkpoint {path}")
                 return path
-            problems.append(f"{path.name}: {problem}")
-            logger.warning("checkpoint %s is damaged (%s); falling back to the previous "
-                           "complete checkpoint", path, problem)
-            _say(f"warning: checkpoint {path} is damaged ({problem}); falling back to the "
-                 "previous complete checkpoint")
-        if complete:
-            raise CheckpointError(f"no intact checkpoint in {self.root} ({'; '.join(problems)}); "
-                                  "set trainer.resume=never to start over")
+            problems.append(f"checkpoint {path} is damaged ({problem})")
+        if marked:
+            raise CheckpointError(f"no intact checkpoint in {self.root}: {'; '.join(problems)}; "
+                                  "set trainer.resume=<an intact checkpoint> or "
+                                  "trainer.resume=never to start over")
+        return None
+
+    def _marked_checkpoints(self) -> list[Path]:
+        """Final checkpoint dirs with a COMPLETE marker (readable or not), oldest step first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match is not None and path.is_dir() and (path / COMPLETE_MARKER).is_file():
+                found.append((int(match.group(1)), path))
+        return [path for _, path in sorted(found)]
+
+    def _state_problem(self, path: Path) -> str | None:
+        """None when the controller state of ``path`` reads, else why not (one line)."""
+        try:
+            self.load_controller_state(path)
+        except CheckpointError as exc:
+            return str(exc)
         return None
 
     def _is_complete(self, path: Path) -> bool:

@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from tqdm import tqdm
+
 from rlhf_megatron.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -83,8 +85,12 @@ class ConsoleSink:
         return " | ".join(parts)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Print this step's line."""
-        print(self.format_line(step, metrics), file=self._stream or sys.stdout, flush=True)
+        """Print this step's line. Through ``tqdm.write``: a progress bar on the same terminal
+        (controller/loop.py, on stderr) is cleared first and redrawn below the line, so the two
+        never share a line."""
+        stream = self._stream or sys.stdout
+        tqdm.write(self.format_line(step, metrics), file=stream)
+        stream.flush()
 
     def close(self) -> None:
         """Nothing to release."""

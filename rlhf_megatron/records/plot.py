@@ -1,6 +1,6 @@
 """Plot a run's ``metrics.jsonl``: one subplot per metric against the step, written as a PNG.
 
-    python -m rlhf_megatron.controller.plot runs/grpo/metrics.jsonl runs/grpo/metrics.png \\
+    python -m rlhf_megatron.records.plot runs/grpo/metrics.jsonl runs/grpo/metrics.png \\
         --keys reward/mean kl response/length_mean
 """
 
@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhf_megatron.controller.metrics import read_metrics
 from rlhf_megatron.errors import ConfigError, RlhfMegatronError
+from rlhf_megatron.records.metrics import read_metrics
 
 DEFAULT_PLOT_KEYS: tuple[str, ...] = ("reward/mean", "kl")
 
@@ -69,7 +69,7 @@ def plot_metrics(
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf_megatron.controller.plot",
+        prog="python -m rlhf_megatron.records.plot",
         description="Plot metrics from a run's metrics.jsonl (one subplot per key) to a PNG.",
     )
     parser.add_argument("metrics_jsonl", type=Path, help="path to the run's metrics.jsonl")

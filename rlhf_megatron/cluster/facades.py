@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from rlhf_megatron.controller.worker_group import (
+from rlhf_megatron.cluster.worker_group import (
     PendingDp,
     WorkerGroup,
     concat_rows,
