@@ -11,6 +11,7 @@ from typing import Any
 
 from rlhf_megatron.errors import CheckpointError, ConfigError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.records.metrics import wandb_missing
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
@@ -52,5 +53,4 @@ def _check_weights(key: str, path: Path) -> None:
 def check_metrics_sinks(cfg: Any) -> None:
     """An optional sink that is not installed, found now rather than after the workers start."""
     if cfg.metrics.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"metrics.wandb_project={cfg.metrics.wandb_project!r} but wandb is "
-                          "not installed: `pip install wandb` or unset metrics.wandb_project")
+        raise ConfigError(wandb_missing(cfg.metrics.wandb_project))

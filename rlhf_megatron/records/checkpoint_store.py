@@ -140,14 +140,7 @@ class CheckpointStore:
     def complete_checkpoints(self) -> list[Path]:
         """Final checkpoint dirs that have COMPLETE and a readable controller_state.json,
         oldest step first."""
-        if not self.root.is_dir():
-            return []
-        found = []
-        for path in self.root.iterdir():
-            match = _STEP_DIR.match(path.name)
-            if match is not None and path.is_dir() and self._is_complete(path):
-                found.append((int(match.group(1)), path))
-        return [path for _, path in sorted(found)]
+        return [path for path in self._marked_checkpoints() if self._is_complete(path)]
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or ``None`` if there is none."""

@@ -190,6 +190,13 @@ class TensorBoardSink:
         self._writer.close()
 
 
+def wandb_missing(project: str) -> str:
+    """The one line for metrics.wandb_project set without wandb installed (validation finds it
+    before Ray, config/model_files.py; the sink would find it after the workers start)."""
+    return (f"metrics.wandb_project={project!r} but wandb is not installed: "
+            "`pip install wandb` or unset metrics.wandb_project")
+
+
 class WandbSink:
     """Logs to Weights & Biases. ``wandb`` is optional and imported only when this sink is built."""
 
@@ -197,10 +204,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError(
-                f"metrics.wandb_project={project!r} but wandb is not installed: "
-                "`pip install wandb` or unset metrics.wandb_project"
-            ) from None
+            raise ConfigError(wandb_missing(project)) from None
         self._run = wandb.init(project=project, name=run_name, config=config)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -74,8 +74,6 @@ class CustomReward:
         or returns the wrong length, a non-numeric or a non-finite value."""
         try:
             result = self._run(responses, answers, extra)
-        except RewardError:
-            raise
         except Exception as exc:  # any user error becomes one typed line
             raise RewardError(
                 f"reward function {self.label} raised {type(exc).__name__}: {one_line(str(exc))}"
