@@ -8,6 +8,9 @@ tag so that the test can find what outlived the run; a cluster smaller than the 
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -111,6 +114,27 @@ FILE_SECONDS = {
     "test_critic_reward.py": 27, "test_moe_replay.py": 24, "test_actor_loss_terms.py": 24,
     "test_cpu_shims.py": 21, "test_vllm_rollout.py": 20, "test_conversion_memory.py": 20,
 }
+
+
+# Files whose multi-rank jobs oversubscribe the 2 cores so much that two of them side by side
+# each take ~10x as long: in session 9's fresh-clone CI the layout-parity module's setup took
+# 730 s and the convert CLI round trip 714 s, running at once on the two xdist workers (57-70 s
+# and ~51 s each beside lighter files). Across the workers they run one at a time: the second
+# waits at its module's start for the first to end.
+ONE_AT_A_TIME = {"test_layout_parity.py", "test_convert_cli.py"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_at_a_time(request: pytest.FixtureRequest):
+    """Holds a lock file for the whole module (its module fixtures included: an autouse fixture
+    is set up before the others of its scope) when the module is in ONE_AT_A_TIME."""
+    if Path(str(request.node.fspath)).name not in ONE_AT_A_TIME:
+        yield
+        return
+    path = Path(tempfile.gettempdir()) / f"rlhf_megatron_tests_one_at_a_time_{os.getuid()}.lock"
+    with path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 # The tables above are keyed by file basename, without the subfolder (tests/integration/ mirrors
