@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_megatron.config import load_config
 from rlhf_megatron.quickstart_tools import prepare
 from rlhf_megatron.testing.train_runs import REPO, RayHead, read_metrics, run_train, window_means
 
@@ -104,8 +105,12 @@ def test_tools_quickstart_learns_to_call_the_tool(warm_start, tmp_path: Path, he
     # seed 1 AVX2 cap +0.17, +0.23 (+-0.05). Reward room >= 3.5 s.e.; tool-use room 1-4 s.e.
     assert tool_rise > 0.1, summary
     assert reward_rise > 0.05, summary
+    # Rows that called the tool hold two or more generated spans (a call, then the answer),
+    # never more than the episode's turns. Which rows call it twice depends on the trajectory:
+    # under the AVX2 cap (session 9's CI) step 1 had rows of three spans, natively two at most.
     starts, _ = _generated_spans(run_dir)
-    assert starts.max() == 2 and starts.min() >= 1, starts  # tool call, then the answer
+    max_turns = load_config(REPO / "configs" / "quickstart_tools_cpu.yaml").environment.max_turns
+    assert 2 <= starts.max() <= max_turns and starts.min() >= 1, starts
 
 
 def test_tools_episodes_learn_in_async_across_refits(warm_start, tmp_path: Path, head: RayHead):
