@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -200,42 +202,95 @@ _HEAD_SCRIPT = """
 import sys, ray
 context = ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
                    configure_logging=False)
+print("SESSION", context.address_info["session_dir"], flush=True)
 print("ADDRESS", context.address_info["gcs_address"], flush=True)
 sys.stdin.read()  # until the test module closes our stdin
 ray.shutdown()
 """
 
 
+_RAY_LOG_PROBLEM = re.compile(r"^\[\S+ \S+ [WEF] ")  # Ray's log lines of level W, E, F
+
+
 class RayHead:
     """A local Ray cluster in a child process, shared by many runs (tests/integration/conftest.py:
     one per pytest run): each run joins it (`ray.address=...`) instead of starting and stopping
     a cluster of its own, which costs 5-15 s a run on 2 busy cores. `stop()` ends it (and every
-    worker still on it)."""
+    worker still on it).
+
+    `address` checks that the head is still there: if its process ended or its GCS stopped
+    answering (stop 35's CI lost it mid-suite, and every run after waited minutes on a dead
+    address and failed), the head is started again, and why it died is printed from its logs."""
 
     def __init__(self, num_cpus: int = 4, timeout: float = 300, attempts: int = 3) -> None:
         # Token auth with a token of our own: the drivers that join need the same one.
         self.auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-        deadline = time.monotonic() + timeout
+        self.num_cpus, self.timeout, self.attempts = num_cpus, timeout, attempts
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        deadline = time.monotonic() + self.timeout
         # Ray gives its raylet 30 s to register (hard-coded in ray/_private/node.py); on 2 cores
         # shared with other jobs (load 50+) that can run out, and a session-wide head that
         # failed once would fail every run that joins it: try again, in a fresh session.
-        for _ in range(attempts):
+        for _ in range(self.attempts):
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _HEAD_SCRIPT, str(num_cpus)], cwd=REPO,
+                [sys.executable, "-c", _HEAD_SCRIPT, str(self.num_cpus)], cwd=REPO,
                 env={**_env(), **self.auth_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 text=True, start_new_session=True)
-            line = ""
+            line, self.session_dir = "", ""
             while not line.startswith("ADDRESS "):
                 line = self.process.stdout.readline()
+                if line.startswith("SESSION "):
+                    self.session_dir = line.split(None, 1)[1].strip()
                 if (not line and self.process.poll() is not None) or time.monotonic() > deadline:
                     break
             if line.startswith("ADDRESS "):
-                self.address = line.split()[1]
+                self._address = line.split()[1]
                 return
             self._kill()
             if time.monotonic() > deadline:
                 break
-        raise AssertionError(f"the shared Ray head did not start (within {timeout:.0f} s)")
+        raise AssertionError(f"the shared Ray head did not start (within {self.timeout:.0f} s)")
+
+    @property
+    def address(self) -> str:
+        """The GCS address of a live head (started again if it died since the last run)."""
+        why = self._dead()
+        if why:
+            print(f"the shared Ray head is gone ({why}); starting another\n"
+                  f"{self._log_tails()}", file=sys.stderr, flush=True)
+            self._kill()
+            self.restarts += 1
+            self._start()
+        return self._address
+
+    def _dead(self) -> str:
+        """Why the head cannot take a run ('' when it can)."""
+        if self.process.poll() is not None:
+            return f"its process ended, rc={self.process.returncode}"
+        host, port = self._address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as exc:
+            return f"its GCS at {self._address} does not answer: {exc}"
+        return ""
+
+    def _log_tails(self, lines: int = 15) -> str:
+        logs = Path(self.session_dir) / "logs" if self.session_dir else None
+        if logs is None or not logs.is_dir():
+            return "(no Ray session logs)"
+        parts = []
+        for name in ("gcs_server.err", "gcs_server.out", "raylet.err", "raylet.out"):
+            path = logs / name
+            if path.exists():
+                text = path.read_text(errors="replace").splitlines()
+                if name.endswith(".out"):  # info lines and state dumps: warnings and errors only
+                    text = [line for line in text if _RAY_LOG_PROBLEM.match(line)]
+                tail = text[-lines:]
+                parts.append(f"--- {path}\n" + "\n".join(tail))
+        return "\n".join(parts) or f"(nothing in {logs})"
 
     def _kill(self) -> None:
         """The head and whatever it started (its session: GCS, raylet, workers)."""

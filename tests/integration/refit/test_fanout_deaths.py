@@ -58,14 +58,26 @@ class _Engine:
 def cluster(head: RayHead):
     from ray._raylet import AuthenticationTokenLoader, Config
 
+    address = head.address  # a live head (started again if it died)
+    saved = {key: os.environ.get(key) for key in head.auth_env}
     os.environ.update(head.auth_env)
     # Ray read the auth settings when it was imported (pytest collected this module): read again.
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
-    ray.init(address=head.address, log_to_driver=False, configure_logging=False)
+    ray.init(address=address, log_to_driver=False, configure_logging=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import it
-    yield ray.remote(num_cpus=0, max_restarts=0)(_Engine)
-    ray.shutdown()
+    try:
+        yield ray.remote(num_cpus=0, max_restarts=0)(_Engine)
+    finally:
+        ray.shutdown()
+        # The later modules of this xdist worker start clusters of their own: not with our token.
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _refit(fanout: RayRolloutFanout, version: int) -> int:
