@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_megatron import quickstart, quickstart_long, quickstart_real
+from rlhf_megatron import quickstart, quickstart_long, quickstart_real, quickstart_verl
 from rlhf_megatron import quickstart_tools as tools_quickstart
 from rlhf_megatron.config import load_config, validate_config
 from rlhf_megatron.config.validate import model_hf_config
@@ -27,6 +27,8 @@ BIG_MODELS = {
     "qwen2.5-32b_grpo_2x8.yaml": Cluster(2, 8, 80),
     "llama3.1-70b_ppo_8x8.yaml": Cluster(8, 8, 80),
     "qwen2.5-72b_grpo_8x8.yaml": Cluster(8, 8, 80),
+    "verl_gsm8k_qwen2.5-0.5b_1x1.yaml": Cluster(1, 1, 24),  # verl's quickstart: one 24 GB GPU
+    "verl_gsm8k_qwen2.5-7b_1x8.yaml": Cluster(1, 8, 80),
 }
 # the folders under outputs/ that the CPU configs read, and the `prepare` that writes each
 ASSETS = {
@@ -34,6 +36,7 @@ ASSETS = {
     "quickstart_long_assets": quickstart_long.prepare,
     "offline_assets": offline_quickstart.prepare,
     "quickstart_tools_assets": tools_quickstart.prepare,
+    "verl_gsm8k_assets": quickstart_verl.prepare_verl,
     # the real model's config.json from its GGUF's metadata (not its 135M weights)
     "quickstart_real_assets": lambda out: quickstart_real.prepare_real(out, weights=False),
 }
@@ -72,6 +75,12 @@ def _load(path: Path, outputs: Path):
 def test_the_big_model_configs_are_shipped():
     names = {path.name for path in CONFIGS}
     assert set(BIG_MODELS) <= names
+
+
+def test_every_config_is_named_in_the_configs_readme():
+    readme = (REPO / "configs" / "README.md").read_text()
+    missing = [path.name for path in CONFIGS if f"`{path.name}`" not in readme]
+    assert not missing, f"configs/README.md does not name {missing}"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[path.name for path in CONFIGS])
