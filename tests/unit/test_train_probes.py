@@ -96,3 +96,18 @@ def test_a_dict_answer_reaching_a_rule_reward_is_refused_naming_the_key(assets, 
 def test_a_directory_given_as_the_config_is_named_as_one(assets, tmp_path, capfd) -> None:
     result = train_in_process(["--config", str(tmp_path)][2:], capfd, config=tmp_path)
     _refused(result, str(tmp_path), "directory")
+
+
+def test_dry_run_validates_plans_and_prints_the_resolved_config(assets, tmp_path, capfd) -> None:
+    """`train --dry-run` (Hydra's `--cfg job` for verl users): nothing starts."""
+    overrides = small_run_overrides(assets, tmp_path / "r", **{"trainer.total_steps": 7})
+    result = train_in_process(["--dry-run", "--gpu-mem-gb", "80", *overrides], capfd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Verdict: FITS" in result.stdout
+    resolved = result.stdout.split("Resolved config (YAML):", 1)[1]
+    assert "total_steps: 7" in resolved and str(assets / "model") in resolved
+    assert not (tmp_path / "r").exists()  # no run directory written
+    assert titled_processes("raylet", os.getpid()) == []
+    # Bad input is refused as `train` refuses it.
+    bad = train_in_process(["--dry-run", *overrides, "trainer.totl_steps=3"], capfd)
+    _refused(bad, "unknown config key 'trainer.totl_steps'")
