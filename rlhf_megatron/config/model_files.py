@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_megatron.errors import CheckpointError, ConfigError
+from rlhf_megatron.models import ARCHITECTURES
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.models.hf_checkpoint import HFCheckpoint, read_safetensors_layout
 from rlhf_megatron.records.metrics import wandb_missing
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -21,7 +23,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def check_model_files(cfg: Any, hf_config: Any) -> None:
     """The checks above for model.path (and the weights of critic.path and reward_model.path);
     `hf_config` is the policy's config.json."""
-    from rlhf_megatron.models import ARCHITECTURES
 
     try:
         ARCHITECTURES.for_hf_config(hf_config)
@@ -40,7 +41,6 @@ def check_model_files(cfg: Any, hf_config: Any) -> None:
 
 
 def _check_weights(key: str, path: Path) -> None:
-    from rlhf_megatron.models.hf_checkpoint import HFCheckpoint, read_safetensors_layout
 
     try:
         checkpoint = HFCheckpoint(path, check_shapes=False)

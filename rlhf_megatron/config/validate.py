@@ -29,6 +29,8 @@ from rlhf_megatron.config.roles import MEGATRON_ROLES, device_needs, megatron_ro
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.platform import current_platform
+from rlhf_megatron.rollout.drift import DRIFT_MODES, rollout_dtype_name
 
 ALGORITHMS = ("grpo", "ppo")
 KL_MODES = ("loss", "reward", "none")
@@ -247,7 +249,6 @@ def _check_model_fits(cfg: TrainConfig, hf: Any) -> None:
                                              num_key_value_heads=kv_heads, num_layers=layers)
         except LayoutError as exc:
             raise ConfigError(f"{role}.layout: {exc}") from None
-    from rlhf_megatron.platform import current_platform
 
     _wrap("rollout.engine", lambda: cfg.rollout.engine.validate_for_model(
         hf, on_cpu=not current_platform().is_cuda))
@@ -263,7 +264,6 @@ def _layouts(cfg: TrainConfig) -> list[tuple[str, LayoutSpec]]:
 
 
 def _check_drift_alarm(cfg: TrainConfig) -> None:
-    from rlhf_megatron.rollout.drift import DRIFT_MODES
 
     rollout = cfg.rollout
     _one_of("rollout.on_logprob_drift", rollout.on_logprob_drift, DRIFT_MODES)
@@ -278,7 +278,6 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     trained ones: an actor that computes in another dtype than the rollout is warned about. An
     fp32 actor with a bf16 rollout loses every update below bf16's resolution on the way to vLLM
     (docs/ROLLOUT_AND_REFIT.md); it runs, and the drift alarm watches it."""
-    from rlhf_megatron.rollout.drift import rollout_dtype_name
 
     if cfg.algorithm.name in OFFLINE_ALGORITHMS:  # no rollout
         return []

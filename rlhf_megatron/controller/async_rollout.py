@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_megatron.cluster.worker_group import WorkerGroup, remote, wait_all
-from rlhf_megatron.controller.phases import say
-from rlhf_megatron.errors import WorkerFailure
+from rlhf_megatron.errors import WorkerFailure, say
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_engine import RolloutGroup
 from rlhf_megatron.workers import AsyncRolloutWorker

@@ -26,6 +26,7 @@ from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.controller.sources import StepRollout
 from rlhf_megatron.data.offline_datasets import OfflineExample, rows_to_batch
 from rlhf_megatron.engines.offline_update import OfflineStepSpec
+from rlhf_megatron.errors import say
 from rlhf_megatron.records.metrics import PhaseTimer
 
 REFERENCE_FILE = "offline_reference.pt"
@@ -102,7 +103,7 @@ class OfflineSource:
         run = self.run
         if run.cfg.algorithm.name != "sft" and run.offline.reference is None:
             run.offline.reference = reference_pass(run)
-            phases.say(f"reference log-probs of {run.offline.reference.numel()} rows computed")
+            say(f"reference log-probs of {run.offline.reference.numel()} rows computed")
 
     def next_batch(self, step: int) -> StepRollout:
         batch, spec, metrics = step_batch(self.run, self.run.loader.next_batch())

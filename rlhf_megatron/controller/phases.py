@@ -17,7 +17,6 @@ The loop itself is in controller/loop.py, the batch's sources in sources.py.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -71,11 +70,6 @@ class Run:
     offline: Any = None
     """SFT/DPO/KTO: the dataset and reference log-probs (offline_source.OfflineData); None in
     RL, where `loader` yields prompts."""
-
-
-def say(message: str) -> None:
-    """One line for the user on stderr."""
-    print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
 
 
 def done(value: torch.Tensor) -> Future:

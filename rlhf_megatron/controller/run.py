@@ -18,23 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_megatron.algorithms import build_kl_controller
+from rlhf_megatron.cluster.groups import build_groups
 from rlhf_megatron.cluster.lifecycle import (
     GracefulStop,
     remove_orphan_segments,
     remove_refit_segments,
 )
+from rlhf_megatron.cluster.ray_cluster import reserve_pools, start_ray
 from rlhf_megatron.config import TrainConfig, config_to_dict, save_config, validate_config
 from rlhf_megatron.config.validate import config_warnings
 from rlhf_megatron.controller import phases
 from rlhf_megatron.controller.loop import restore_checkpoint, save_checkpoint, train_steps
 from rlhf_megatron.controller.offline_source import CONSOLE_KEYS, PLOT_KEYS, OfflineData
-from rlhf_megatron.controller.phases import Run, say
+from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.data.offline_datasets import load_examples
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
-from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError
+from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError, say
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.records.checkpoint_store import CONTROLLER_STATE_FILE, CheckpointStore
 from rlhf_megatron.records.metrics import build_metrics_logger
+from rlhf_megatron.records.plot import plot_metrics
 from rlhf_megatron.rewards import RewardManager
 
 
@@ -202,8 +205,6 @@ def _first_step(run: Run, store: CheckpointStore, resume_from: Path | None) -> i
 
 
 def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
-    from rlhf_megatron.cluster.groups import build_groups
-    from rlhf_megatron.cluster.ray_cluster import reserve_pools, start_ray
 
     plan = validate_config(cfg)
     for warning in config_warnings(cfg):
@@ -259,7 +260,6 @@ def _train(cfg: TrainConfig, stop: GracefulStop) -> Path:
         stop.in_loop, stop.tearing_down = False, True
         _teardown(groups, pids, rewards, logger)
     if cfg.metrics.plot:
-        from rlhf_megatron.records.plot import plot_metrics
 
         plot_metrics(run_dir / "metrics.jsonl", run_dir / "plot.png",
                      **({"keys": PLOT_KEYS[cfg.algorithm.name]} if offline is not None else {}))

@@ -33,7 +33,8 @@ from rlhf_megatron.engines.checkpoint import (
 )
 from rlhf_megatron.engines.config import EngineConfig, distributed_optimizer_enabled
 from rlhf_megatron.engines.context_parallel import CpSplit, context_parallel_group
-from rlhf_megatron.engines.offload import Offloader
+from rlhf_megatron.engines.offload import Offloader, engine_state_tensors
+from rlhf_megatron.engines.optimizer_state import install_state_initialiser
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
 from rlhf_megatron.models.builder import packs_by_cu_seqlens
@@ -172,7 +173,6 @@ class MegatronEngine:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from rlhf_megatron.engines.optimizer_state import install_state_initialiser
 
         opt = self.config.optimizer
         distributed_optimizer = distributed_optimizer_enabled(opt, self.platform)
@@ -375,7 +375,6 @@ class MegatronEngine:
         """Move params, grad buffers and optimizer state off the device (see engines/offload.py)
         and release the allocator's cached memory to the device. Returns the bytes moved off
         this rank's device (also `offloaded_bytes` until `onload()`)."""
-        from rlhf_megatron.engines.offload import engine_state_tensors
 
         return self._offloader.offload(engine_state_tensors(self))
 

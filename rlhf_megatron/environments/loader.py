@@ -6,6 +6,7 @@ one-line :class:`EnvironmentLoadError` messages, and the CLI maps them to exit s
 
 from __future__ import annotations
 
+from rlhf_megatron.environments.arithmetic import ArithmeticToolEnv
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.rewards.custom import load_from_file
 
@@ -15,7 +16,6 @@ class EnvironmentLoadError(ConfigError):
 
 
 def _builtin_arithmetic() -> type:
-    from rlhf_megatron.environments.arithmetic import ArithmeticToolEnv
 
     return ArithmeticToolEnv
 

@@ -13,6 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.moe_config import (
+    is_moe_config,
+    moe_shape,
+    moe_transformer_kwargs,
+    validate_moe_layout,
+)
 from rlhf_megatron.models.registry import ArchitectureSpec
 from rlhf_megatron.parallel.dims import ParallelDims
 from rlhf_megatron.platform import Platform, current_platform, transformer_engine_available
@@ -135,12 +141,6 @@ def _check_sliding_window(hf_config: Any, max_sequence_length: int) -> None:
 
 def _moe_kwargs(hf_config: Any, dims: ParallelDims, *, is_cuda: bool) -> dict[str, Any]:
     """TransformerConfig MoE fields for an MoE architecture (models/moe_config.py), else {}."""
-    from rlhf_megatron.models.moe_config import (
-        is_moe_config,
-        moe_shape,
-        moe_transformer_kwargs,
-        validate_moe_layout,
-    )
 
     if not is_moe_config(hf_config):
         if dims.ep > 1:

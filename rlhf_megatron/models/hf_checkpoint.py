@@ -8,6 +8,7 @@ one-line message naming the file or tensor.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.models.mapping_tables import per_expert_checkpoint_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -68,8 +70,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     Made with ctypes rather than `.numpy()`: exporting to numpy pins the storage (it can no longer
     be resized), which would stop the streaming writer from releasing written tensors early.
     """
-    import ctypes
-
     assert tensor.is_contiguous() and tensor.device.type == "cpu"
     return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
@@ -153,7 +153,6 @@ def expected_hf_shapes(hf_config: Any) -> dict[str, torch.Size]:
     """HF parameter name -> shape implied by `hf_config` (built on the meta device)."""
     import transformers
 
-    from rlhf_megatron.models.mapping_tables import per_expert_checkpoint_shapes
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)

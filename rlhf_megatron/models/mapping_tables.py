@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.models.moe_config import moe_shape
 from rlhf_megatron.models.param_mapping import (
     DirectMapping,
     GatedMLPMapping,
@@ -168,7 +169,6 @@ def expert_mappings(architecture: str, num_experts: int = 0) -> list[ParamMappin
 def moe_table_for(spec: Any, hf_config: Any) -> MappingTable:
     """The Llama-like table of `spec` plus its router and expert mappings (dense layers of a
     Qwen-MoE model, `mlp_only_layers`, use the dense MLP entries)."""
-    from rlhf_megatron.models.moe_config import moe_shape
 
     dense = llama_like_table_for(spec, hf_config)
     experts = moe_shape(hf_config).num_experts

@@ -10,7 +10,11 @@ import argparse
 import math
 from typing import Any
 
-from rlhf_megatron.planner.cluster import MAX_GPU_MEM_GIB
+from rlhf_megatron.config import load_config, validate_config
+from rlhf_megatron.config.validate import check_finite, check_layout_values
+from rlhf_megatron.planner.cluster import MAX_GPU_MEM_GIB, Cluster, on_cluster
+from rlhf_megatron.planner.report import render
+from rlhf_megatron.planner.suggest import plan_config
 
 _DESCRIPTION = """\
 Check a training config against a cluster before allocating it. Reads the model's shapes from
@@ -29,11 +33,6 @@ Formulas and assumptions: docs/PLANNER.md. Exit status: 0 fits, 1 does not fit, 
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rlhf_megatron.config import load_config, validate_config
-    from rlhf_megatron.config.validate import check_finite, check_layout_values
-    from rlhf_megatron.planner.cluster import Cluster, on_cluster
-    from rlhf_megatron.planner.report import render
-    from rlhf_megatron.planner.suggest import plan_config
 
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb)
     cfg = load_config(args.config, args.overrides)

@@ -32,7 +32,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from rlhf_megatron.errors import CheckpointError, ConfigError
+from rlhf_megatron.errors import CheckpointError, ConfigError, say
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class CheckpointStore:
             problem = self._state_problem(path) or verify_checkpoint(path, self.verify_mode)
             if problem is None:
                 if problems:
-                    _say(f"warning: {'; '.join(problems)}; falling back to the older complete "
+                    say(f"warning: {'; '.join(problems)}; falling back to the older complete "
                          f"checkpoint {path}")
                 return path
             problems.append(f"checkpoint {path} is damaged ({problem})")
@@ -257,12 +257,6 @@ class CheckpointStore:
             logger.warning("ignoring checkpoint %s: %s", path, exc)
             return False
         return True
-
-
-def _say(message: str) -> None:
-    import sys
-
-    print(f"[rlhf_megatron] {message}", file=sys.stderr, flush=True)
 
 
 def _crc32(path: Path, chunk: int = 8 << 20) -> str:

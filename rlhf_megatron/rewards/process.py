@@ -14,9 +14,11 @@ first answers ("ready", None) or ("error", message) after loading the function, 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -24,6 +26,7 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+from rlhf_megatron.rewards.custom import load_custom_reward
 from rlhf_megatron.rewards.errors import RewardError
 
 _HEADER = struct.Struct(">Q")
@@ -150,9 +153,6 @@ class RewardProcess:
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the trainer dies (even by kill -9)."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -160,8 +160,6 @@ def _die_with_parent() -> None:
 
 def main(spec: str) -> None:
     """The child: load `spec`, then score batches until stdin closes."""
-    import signal
-
     _die_with_parent()
     # Ctrl-C in a terminal and the launcher's SIGUSR1 are for the trainer, which stops at the
     # step's end and still needs its rewards; it kills this process itself.
@@ -170,7 +168,6 @@ def main(spec: str) -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the user's prints must not corrupt the protocol
     stdin = sys.stdin.buffer
-    from rlhf_megatron.rewards.custom import load_custom_reward
 
     try:
         fn = load_custom_reward(spec)

@@ -5,7 +5,8 @@ returns one `InFunctionImport` per module named by an import statement inside a 
 Module-level imports, `if TYPE_CHECKING:` blocks included, are not listed. The category
 comes from rules (module prefixes, the files that run in another process, and whether an
 rlhf_megatron module pulls a heavy package in at import time); `ALLOWED` is the short list of
-exceptions, keyed by (file, module), each with its reason.
+exceptions, keyed by (file, module), each with its reason. `unjustified()` is what has none:
+tests/unit/test_import_audit.py keeps it empty.
 
     python -m rlhf_megatron.testing.import_audit        # counts per category, then each line
 """
@@ -54,15 +55,6 @@ WORKER_SIDE_FILES = (
 # (file, module) -> (category, reason): the exceptions to the rules above.
 ALLOWED: dict[tuple[str, str], tuple[str, str]] = {
 }
-
-# Standard-library imports left inside a function in files another change is moving now
-# (controller/ -> cluster/ and records/): move them when that change lands, then empty this.
-PENDING: dict[tuple[str, str], str] = {
-    ("cli.py", "pathlib"): "cli.py has an uncommitted edit of the cluster/records move",
-    ("cluster/lifecycle.py", "sys"): "moved by the uncommitted cluster/ rename",
-    ("records/checkpoint_store.py", "sys"): "moved by the uncommitted records/ rename",
-}
-
 
 @dataclass(frozen=True)
 class InFunctionImport:
@@ -183,7 +175,7 @@ def _classify(file: str, module: str, importer: str, graph: _Graph) -> tuple[str
         return ALLOWED[(file, module)]
     top = module.split(".")[0]
     if top in sys.stdlib_module_names:
-        return "stdlib", PENDING.get((file, module), CATEGORIES["stdlib"])
+        return "stdlib", CATEGORIES["stdlib"]
     worker = any(file == f or (f.endswith("/") and file.startswith(f)) for f in WORKER_SIDE_FILES)
     if top != PACKAGE:
         if _matches(module, OPTIONAL):
@@ -219,6 +211,16 @@ def audit() -> list[InFunctionImport]:
                 category, reason = _classify(file, module, importer, graph)
                 found.append(InFunctionImport(file, node.lineno, module, category, reason))
     return sorted(found, key=lambda imp: (imp.file, imp.line, imp.module))
+
+
+UNJUSTIFIED = ("cycle", "stdlib")
+"""Categories that are findings, not reasons: move the import to the top of its file."""
+
+
+def unjustified(found: list[InFunctionImport] | None = None) -> list[InFunctionImport]:
+    """The in-function imports with no reason to be there (UNJUSTIFIED categories)."""
+    return [imp for imp in (audit() if found is None else found)
+            if imp.category in UNJUSTIFIED]
 
 
 def count_imports() -> tuple[int, int]:

@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from rlhf_megatron.cli import main
+
 REPO = Path(__file__).resolve().parents[2]  # rlhf_megatron/testing/ -> the checkout
 CONFIG = REPO / "configs" / "quickstart_cpu.yaml"
 
@@ -70,7 +72,6 @@ def train_in_process(overrides: list[str], capfd, config: Path = CONFIG
     a one-line-stderr check is as strict as on a subprocess. Ray must not have started."""
     import ray
 
-    from rlhf_megatron.cli import main
 
     capfd.readouterr()
     handler = logging.StreamHandler(sys.stderr)
