@@ -111,3 +111,12 @@ def test_dry_run_validates_plans_and_prints_the_resolved_config(assets, tmp_path
     # Bad input is refused as `train` refuses it.
     bad = train_in_process(["--dry-run", *overrides, "trainer.totl_steps=3"], capfd)
     _refused(bad, "unknown config key 'trainer.totl_steps'")
+
+
+def test_more_prompts_per_step_than_prompts_names_the_config_key(assets, tmp_path, capfd) -> None:
+    """Was `batch_size=... drop_last` (the loader's internals)."""
+    result = train_in_process(small_run_overrides(assets, tmp_path / "r", **{
+        "data.prompts_per_step": 500}), capfd)
+    line = _refused(result, "data.prompts_per_step=500 is more than the 88 training prompts",
+                    "data.train_files")
+    assert "batch_size" not in line and "drop_last" not in line
