@@ -16,17 +16,29 @@ SLOW = ("import time\n"
         "    print('noise on stdout must not break the protocol')\n"
         "    if responses[0] == 'hang':\n"
         "        time.sleep(3600)\n"
-        "    return [float(r == a) for r, a in zip(responses, answers)]\n")
+        "    return [float(r == a) for r, a in zip(responses, answers)]\n"
+        # verl's per-sample signature (issue 28): the same child process and deadline
+        "def verl_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'hang':\n"
+        "        time.sleep(3600)\n"
+        "    return {'score': float(solution_str == ground_truth)}\n")
 
 
 @pytest.fixture(scope="module")
-def reward_file(tmp_path_factory) -> str:
+def slow_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("reward") / "slow.py"
     path.write_text(SLOW)
-    return f"{path}:f"
+    return path
 
 
-def test_overrun_is_one_line_naming_the_function_and_the_process_dies(reward_file):
+@pytest.fixture(scope="module")
+def reward_file(slow_file) -> str:
+    return f"{slow_file}:f"
+
+
+@pytest.mark.parametrize("function", ["f", "verl_score"])
+def test_overrun_is_one_line_naming_the_function_and_the_process_dies(slow_file, function):
+    reward_file = f"{slow_file}:{function}"
     manager = RewardManager(RewardConfig(custom_function=reward_file, timeout_s=1.5))
     try:
         assert manager.compute(["a", "b"], ["a", "c"]).tolist() == [1.0, 0.0]
