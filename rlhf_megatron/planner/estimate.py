@@ -148,19 +148,48 @@ def rollout_memory(cfg: TrainConfig, shape: ModelShape, cluster: Cluster) -> Rol
                       overhead=reserve)
 
 
+@dataclass(frozen=True)
+class PlannedRole:
+    """A role's place in the memory model: the Megatron role whose layout and engine it uses,
+    whether it trains, and how the phases name what it holds."""
+
+    name: str
+    engine_of: str
+    trainable: bool
+    label: str
+    """How the report names it: "<label> state", "<label> weights", "<label> activations"."""
+    phase: str | None = None
+    """Its own phase besides the actor's (a critic update, reward scoring); None for none."""
+
+    def resident(self, memory: RoleMemory) -> tuple[str, float]:
+        """What it keeps on the GPU outside its own phase: a trained role its whole state, a
+        frozen one its weights."""
+        if self.trainable:
+            return (f"{self.label} state", memory.state)
+        return (f"{self.label} weights", memory.weights)
+
+
+PLANNED_ROLES = (
+    PlannedRole("actor", "actor", trainable=True, label="actor"),
+    PlannedRole("reference", "actor", trainable=False, label="reference"),
+    PlannedRole("critic", "critic", trainable=True, label="critic", phase="critic update"),
+    PlannedRole("reward_model", "reward_model", trainable=False, label="reward-model",
+                phase="reward scoring"),
+)
+"""The Megatron roles the planner models, in report order (the rollout is rollout_memory)."""
+EXTRA_ROLES = tuple(role for role in PLANNED_ROLES if role.phase is not None)
+"""The roles with a phase and a worker process of their own besides the actor's."""
+
+
 def role_memories(cfg: TrainConfig, shapes: dict[str, ModelShape],
                   cluster: Cluster) -> dict[str, RoleMemory]:
-    roles = {role.name: role for role in megatron_roles(cfg, shapes)}
-    memories = {"actor": megatron_role_memory(cfg, roles["actor"], name="actor", trainable=True)}
-    if cfg.uses_reference:
-        memories["reference"] = megatron_role_memory(cfg, roles["actor"], name="reference",
-                                                     trainable=False)
-    if "critic" in roles:
-        memories["critic"] = megatron_role_memory(cfg, roles["critic"], name="critic",
-                                                  trainable=True)
-    if "reward_model" in roles:
-        memories["reward_model"] = megatron_role_memory(cfg, roles["reward_model"],
-                                                        name="reward_model", trainable=False)
+    built = {role.name: role for role in megatron_roles(cfg, shapes)}
+    present = {"reference": cfg.uses_reference}
+    memories = {
+        role.name: megatron_role_memory(cfg, built[role.engine_of], name=role.name,
+                                        trainable=role.trainable)
+        for role in PLANNED_ROLES
+        if role.engine_of in built and present.get(role.name, True)}
     memories["rollout"] = rollout_memory(cfg, shapes["actor"], cluster)
     return memories
 
@@ -174,13 +203,13 @@ def _refit_buffers(cfg: TrainConfig, shape: ModelShape) -> tuple[str, float]:
 def colocated_phases(cfg: TrainConfig, mem: dict[str, RoleMemory],
                      shape: ModelShape) -> list[Phase]:
     """The phases of one hybrid step on a GPU of the shared pool (module docstring)."""
-    processes = 1 + ("critic" in mem) + ("reward_model" in mem)
-    base = [("trainer processes", processes * TRAINER_PROCESS_GIB * GIB)]
-    if "reference" in mem:
-        base.append(("reference weights", mem["reference"].weights))
-    if "reward_model" in mem:
-        base.append(("reward-model weights", mem["reward_model"].weights))
-    critic = [("critic state", mem["critic"].state)] if "critic" in mem else []
+    extras = [role for role in EXTRA_ROLES if role.name in mem]
+    base = [("trainer processes", (1 + len(extras)) * TRAINER_PROCESS_GIB * GIB)]
+    # Frozen roles' weights sit with the processes; trained ones' states after them.
+    frozen = [role for role in PLANNED_ROLES[1:] if role.name in mem and not role.trainable]
+    trained = [role for role in PLANNED_ROLES[1:] if role.name in mem and role.trainable]
+    base += [role.resident(mem[role.name]) for role in frozen]
+    others = [role.resident(mem[role.name]) for role in trained]
     actor_state = [("actor state", mem["actor"].state)]
     rollout = [("vLLM (weights + KV + reserve)", mem["rollout"].total)]
     asleep = [("vLLM asleep", ROLLOUT_ASLEEP_GIB * GIB)]
@@ -190,22 +219,19 @@ def colocated_phases(cfg: TrainConfig, mem: dict[str, RoleMemory],
     # Old log-probs, reference log-probs and values run one after the other, forward only.
     forward = max(m.forward_activations for m in mem.values())
     phases = [
-        Phase("generate", "shared", tuple(generate + base + critic)),
+        Phase("generate", "shared", tuple(generate + base + others)),
         # The controller wakes vLLM's weights only for refit; its KV cache comes back after the
         # actor is offloaded (controller/phases.py before_generate).
         Phase("refit", "shared", tuple([("vLLM weights", mem["rollout"].weights)] + actor_state
-                                       + base + critic + [_refit_buffers(cfg, shape)])),
+                                       + base + others + [_refit_buffers(cfg, shape)])),
         Phase("log-probs", "shared", tuple(actor_state + [("forward activations", forward)]
-                                           + base + critic + asleep)),
+                                           + base + others + asleep)),
         Phase("actor update", "shared", tuple(actor_state + [
-            ("actor activations", mem["actor"].activations)] + base + critic + asleep)),
+            ("actor activations", mem["actor"].activations)] + base + others + asleep)),
     ]
-    if "critic" in mem:
-        phases.append(Phase("critic update", "shared", tuple(actor_state + base + critic + [
-            ("critic activations", mem["critic"].activations)] + asleep)))
-    if "reward_model" in mem:
-        phases.append(Phase("reward scoring", "shared", tuple(actor_state + base + critic + [
-            ("reward-model activations", mem["reward_model"].activations)] + asleep)))
+    phases += [Phase(role.phase, "shared", tuple(actor_state + base + others + [
+        (f"{role.label} activations", mem[role.name].activations)] + asleep))
+        for role in extras]
     return phases
 
 
@@ -221,14 +247,10 @@ def split_phases(cfg: TrainConfig, mem: dict[str, RoleMemory], shape: ModelShape
         Phase("refit (send)", "actor", tuple(actor + [_refit_buffers(cfg, shape)])),
         Phase("generate", "rollout", (("vLLM (weights + KV + reserve)", mem["rollout"].total),)),
     ]
-    if "critic" in mem:
-        phases.append(Phase("critic update", "critic", (
-            ("critic state", mem["critic"].state), process,
-            ("critic activations", mem["critic"].activations))))
-    if "reward_model" in mem:
-        phases.append(Phase("reward scoring", "reward_model", (
-            ("reward-model weights", mem["reward_model"].weights), process,
-            ("reward-model activations", mem["reward_model"].activations))))
+    phases += [Phase(role.phase, role.name, (
+        role.resident(mem[role.name]), process,
+        (f"{role.label} activations", mem[role.name].activations)))
+        for role in EXTRA_ROLES if role.name in mem]
     return phases
 
 
