@@ -28,7 +28,7 @@ from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.packing import unpack_rows
 from rlhf_megatron.data.sampling import SampledDistribution, sampled_distribution
 from rlhf_megatron.engines.base import MegatronEngine, MicroBatch
-from rlhf_megatron.engines.vocab_parallel import next_token_logprobs
+from rlhf_megatron.engines.chunked_logprobs import next_token_logprobs
 from rlhf_megatron.errors import ConfigError
 
 
@@ -59,7 +59,7 @@ def token_values_from_logits(
     distribution each row was sampled from (its temperature, top-k and top-p fields;
     data/sampling.py): every pass (old, reference, update, entropy) comes through here."""
     shifted_lp, shifted_ent = next_token_logprobs(
-        logits, micro.full_tokens, vocab_size=engine.vocab_size,
+        engine.last_stage_output(logits), micro.full_tokens, vocab_size=engine.vocab_size,
         compute_entropy=compute_entropy, cp=micro.cp, sampling=position_sampling(micro),
     )
 
@@ -100,6 +100,7 @@ class ReferenceEngine(MegatronEngine):
 
     def __init__(self, config: Any, *, hf_dir: Any, dims: Any, trainable: bool = False) -> None:
         super().__init__(config, hf_dir=hf_dir, dims=dims, trainable=trainable)
+        self.reads_hidden_states = config.logits_chunk_tokens > 0
 
     def compute_logprobs(
         self, batch: TokenBatch, *, with_entropy: bool = False

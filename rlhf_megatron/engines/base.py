@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from rlhf_megatron.engines.checkpoint import (
     save_engine_checkpoint,
     unwrap,
 )
+from rlhf_megatron.engines.chunked_logprobs import HiddenStates, emit_hidden_states, output_weight
 from rlhf_megatron.engines.config import EngineConfig, distributed_optimizer_enabled
 from rlhf_megatron.engines.context_parallel import CpSplit, context_parallel_group
 from rlhf_megatron.engines.offload import Offloader, engine_state_tensors
@@ -111,6 +113,9 @@ class MegatronEngine:
             cp_comm_type=config.cp_comm_type,
         )
         self.vocab_size = self.args.vocab_size
+        # Actor and reference read the last stage's hidden states out in chunks of tokens
+        # (engines/chunked_logprobs.py); the critic's value head has no vocabulary to chunk.
+        self.reads_hidden_states = False
         self.is_moe = bool(getattr(self.args.transformer_config, "num_moe_experts", None))
         if config.moe_aux_loss_coeff is not None:
             self._override_aux_loss_coeff(config.moe_aux_loss_coeff)
@@ -332,7 +337,7 @@ class MegatronEngine:
             )
         data = [iter(micro_batches) for _ in self.chunks] if vpp else iter(micro_batches)
         context = torch.no_grad() if forward_only else torch.enable_grad()
-        with context:
+        with context, self._output_layer_readout():
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=data,
@@ -344,6 +349,22 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         return results
+
+    def _output_layer_readout(self) -> Any:
+        """Within it, the last stage's model gives its final hidden states instead of logits
+        (when this engine reads them out in chunks)."""
+        if not self.reads_hidden_states:
+            return nullcontext()
+        last = [m for m in map(unwrap, self.chunks) if getattr(m, "post_process", False)]
+        return emit_hidden_states(last)
+
+    def last_stage_output(self, output: torch.Tensor) -> torch.Tensor | HiddenStates:
+        """What a loss function got from the last stage: its logits, or its hidden states with
+        the output layer's weight to read them out chunk by chunk."""
+        if not self.reads_hidden_states:
+            return output
+        return HiddenStates(output, output_weight(unwrap(self.chunks[-1])),
+                            self.config.logits_chunk_tokens)
 
     def loss_scale_for_sum(self, num_micro_batches: int) -> float:
         """Megatron divides each micro-batch loss by their count, multiplies it by cp, and DDP

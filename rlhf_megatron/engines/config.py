@@ -72,6 +72,9 @@ def distributed_optimizer_enabled(settings: OptimizerSettings, platform: Any) ->
     )
 
 
+DEFAULT_LOGITS_CHUNK_TOKENS = 2048
+"""Token positions per chunk of logits (docs/BENCHMARKS.md, "Chunked logits", for the choice)."""
+
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """Megatron's TransformerConfig.cp_comm_type values (TE attention)."""
 
@@ -103,6 +106,12 @@ class EngineConfig:
     Turns the on-policy shortcut off (the recording needs that forward)."""
     moe_aux_loss_coeff: float | None = None
     """MoE: the load-balancing loss coefficient (default: the HF config's router_aux_loss_coef)."""
+    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
+    """Actor and reference: read log-probs and entropy out of the final hidden states this many
+    token positions at a time (engines/chunked_logprobs.py), so that no pass holds more than one
+    chunk's (tokens, vocab / tp) logits, in the forward or the backward. A micro-batch with at
+    most this many positions (per CP rank) takes the unchunked path unchanged. 0: always the
+    unchunked path (the whole micro-batch's logits)."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -120,6 +129,9 @@ class EngineConfig:
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ConfigError(f"engine.cp_comm_type={self.cp_comm_type!r}: expected one of "
                               f"{list(CP_COMM_TYPES)}")
+        if self.logits_chunk_tokens < 0:
+            raise ConfigError(f"engine.logits_chunk_tokens={self.logits_chunk_tokens} must be >= 0 "
+                              "(0: unchunked logits)")
         if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
             raise ConfigError(f"engine.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
         self.optimizer.validate()

@@ -92,40 +92,6 @@ def vocab_parallel_logprobs(
     return logprobs, entropy
 
 
-def next_token_logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    *,
-    vocab_size: int,
-    compute_entropy: bool = True,
-    cp: Any = None,
-    sampling: SampledDistribution | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) and the entropy at t, for t < T - 1.
-
-    logits: (b, T_local, V_local) of this rank's positions: all T of them without context
-        parallelism; with it (cp: engines/context_parallel.CpSplit) this CP rank's T / cp.
-    tokens: (b, T) int64, the whole sequence (padded, packed: as the model saw it).
-    sampling: per-position settings of shape (b, T_local) or broadcastable to it (engines/
-        actor.py builds them from the rows' fields).
-    Returns (b, T - 1) fp32 values in sequence order, on every CP and TP rank. Under CP each rank
-    scores its own positions against their global next tokens and the values are all-gathered;
-    the backward keeps each rank's own positions' gradient (see engines/context_parallel.py).
-    """
-    if cp is None:
-        if sampling is not None and sampling.temperature.shape[-1] == logits.shape[1]:
-            sampling = sampling.expand(lambda t: t[:, :-1])
-        return vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size=vocab_size,
-                                       compute_entropy=compute_entropy, sampling=sampling)
-    logprobs, entropy = vocab_parallel_logprobs(
-        logits, cp.next_tokens(tokens), vocab_size=vocab_size, compute_entropy=compute_entropy,
-        sampling=sampling,
-    )
-    logprobs = cp.gather(logprobs)[:, :-1]
-    entropy = None if entropy is None else cp.gather(entropy)[:, :-1]
-    return logprobs, entropy
-
-
 def sampled_support(
     logits: torch.Tensor, sampling: SampledDistribution, local_targets: torch.Tensor,
     vocab_size: int,
