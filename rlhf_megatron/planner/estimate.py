@@ -97,6 +97,8 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
     act_bytes = train_dtype_bytes(engine.dtype)
     tokens = tokens_per_micro_batch(cfg, engine) / layout.cp
     columns = 0 if role.value_head else pad_vocab_size(shape.vocab, layout.tp) // layout.tp
+    chunk = engine.logits_chunk_tokens
+    logits_tokens = min(tokens, chunk) if chunk > 0 else tokens  # engines/chunked_logprobs.py
     describe = f"tp{layout.tp} pp{layout.pp}" + (f" vpp{layout.vpp}" if layout.vpp else "") + \
         (f" cp{layout.cp}" if layout.cp > 1 else "") + \
         (f" ep{layout.ep}" if layout.ep > 1 else "") + f" dp{layout.dp}"
@@ -118,7 +120,7 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
         forward = forward_activation_bytes(
             shape, tokens=tokens, tp=layout.tp, sequence_parallel=SEQUENCE_PARALLEL,
             act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0,
-            cp=layout.cp)
+            cp=layout.cp, logits_tokens=logits_tokens)
         acts = forward
         if trainable:
             acts = training_activation_bytes(
@@ -126,7 +128,7 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
                 micro_batches=micro_batches_per_rank(cfg, role),
                 recompute=engine.recompute_activations, sequence_parallel=SEQUENCE_PARALLEL,
                 act_bytes=act_bytes, logits_columns=columns if stage == layout.pp - 1 else 0,
-                cp=layout.cp)
+                cp=layout.cp, logits_tokens=logits_tokens)
         memory = RoleMemory(name, describe, state.weights, state.grads, state.optimizer, acts,
                             forward_activations=forward)
         if worst is None or memory.total > worst.total:

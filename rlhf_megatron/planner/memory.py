@@ -113,14 +113,18 @@ def in_flight_micro_batches(*, pp: int, vpp: int | None, stage: int,
 def training_activation_bytes(shape: ModelShape, *, tokens: float, tp: int, pp: int,
                               vpp: int | None, stage: int, micro_batches: int | None,
                               recompute: bool, sequence_parallel: bool, act_bytes: int,
-                              logits_columns: int, cp: int = 1) -> float:
+                              logits_columns: int, cp: int = 1,
+                              logits_tokens: float | None = None) -> float:
     """Peak activations of one rank of pipeline stage `stage` during a training step.
 
     Without recompute every layer of the stage keeps `layer_activation_bytes` per in-flight
     micro-batch. With full recompute a layer keeps only its input (h per token) and one layer at
     a time is recomputed in full. The last stage adds the logits: bf16 output, its fp32 copy and
     fp32 gradient (act_bytes + 8 bytes per vocabulary column of this TP rank).
-    `logits_columns`: padded vocabulary / tp (0 for a value head).
+    `logits_columns`: padded vocabulary / tp (0 for a value head). `logits_tokens`: positions
+    whose logits exist at once, `logits_chunk_tokens` when the read-out is chunked
+    (engines/chunked_logprobs.py: one chunk at a time, recomputed in backward), all `tokens`
+    otherwise (the default).
     """
     layers = shape.layers // pp
     in_flight = in_flight_micro_batches(pp=pp, vpp=vpp, stage=stage, micro_batches=micro_batches)
@@ -132,18 +136,22 @@ def training_activation_bytes(shape: ModelShape, *, tokens: float, tp: int, pp: 
     else:
         stored = in_flight * layers * full
     if stage == pp - 1:
-        stored += tokens * logits_columns * (act_bytes + 8)
+        stored += (tokens if logits_tokens is None else logits_tokens) * logits_columns * (
+            act_bytes + 8)
     return stored
 
 
 def forward_activation_bytes(shape: ModelShape, *, tokens: float, tp: int,
                              sequence_parallel: bool, act_bytes: int,
-                             logits_columns: int, cp: int = 1) -> float:
+                             logits_columns: int, cp: int = 1,
+                             logits_tokens: float | None = None) -> float:
     """Peak of a forward-only pass (log-probs, values, scores): one layer's working set plus the
-    logits and their fp32 copy (nothing is kept for a backward pass)."""
+    logits and their fp32 copy (nothing is kept for a backward pass); `logits_tokens` as in
+    training_activation_bytes."""
     layer = layer_activation_bytes(shape, tokens, tp=tp, sequence_parallel=sequence_parallel,
                                    act_bytes=act_bytes, cp=cp)
-    return layer + tokens * logits_columns * (act_bytes + 4)
+    return layer + (tokens if logits_tokens is None else logits_tokens) * logits_columns * (
+        act_bytes + 4)
 
 
 def kv_cache_bytes_per_token(shape: ModelShape, *, tp: int, kv_bytes: int) -> float:

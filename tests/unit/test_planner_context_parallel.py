@@ -78,3 +78,16 @@ def test_cp_checks_name_the_field_and_values(overrides, expected):
     report = _plan(*overrides)
     assert not report.fits
     assert expected in "\n".join(report.reasons())
+
+
+def test_chunked_logits_leave_one_chunk_of_logits_in_the_32k_plan():
+    # Each CP rank holds 8192 tokens of the 32k row; the chunked read-out (the default, 2048
+    # tokens) keeps 2048 of them as logits at a time: bf16 logits + fp32 copy + fp32 gradient in
+    # the update, bf16 + fp32 copy in the reference's forward, per vocabulary column of the rank.
+    chunked, whole = _plan(), _plan("actor.engine.logits_chunk_tokens=0")
+    columns = 152576 // 8
+    assert chunked.fits and whole.fits
+    saved = _actor(whole).activations - _actor(chunked).activations
+    assert saved == pytest.approx((8192 - 2048) * columns * (2 + 8))
+    ref_saved = whole.roles["reference"].activations - chunked.roles["reference"].activations
+    assert ref_saved == pytest.approx((8192 - 2048) * columns * (2 + 4))
