@@ -29,6 +29,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
            "num_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 8,
            "head_dim": 128, "max_position_embeddings": 4096},
+    # The chunked-logits check: a 152k vocabulary on a narrow 2-layer model (the output layer
+    # dominates), long rows.
+    "vocab152k": {"vocab_size": 152064, "hidden_size": 256, "intermediate_size": 512,
+                  "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 64, "max_position_embeddings": 8448},
     "1b_small": {"hidden_size": 256, "intermediate_size": 688, "num_layers": 2,
                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
                  "max_position_embeddings": 1024},

@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 CPU_CHECKS = {"environment", "update", "offload", "checkpoint_resume", "parity_fp32", "refit_hf"}
-CUDA_CHECKS = {"parity_bf16", "attention", "throughput_1b", "cuda_ipc", "context_parallel"}
+CUDA_CHECKS = {"parity_bf16", "attention", "throughput_1b", "cuda_ipc", "context_parallel",
+               "chunked_logits"}
 
 
 def _run(tmp_path: Path, *extra: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess,
