@@ -63,7 +63,9 @@ def chunked_vocab_parallel_logprobs(
     """
     hidden, weight = states.hidden, states.weight
     shape = targets.shape
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    # Megatron's Float16Module hands the last stage's output back in fp32; the bf16 hidden states
+    # it upcast convert back exactly, so the matmul is the output layer's own (bf16 x bf16).
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
     flat_targets = targets.reshape(-1)
     if sampling is None:
         settings = None
