@@ -42,7 +42,7 @@ class HiddenStates:
     chunk_tokens: int
 
     def narrow(self, positions: slice) -> HiddenStates:
-        """The same states for positions[1] of dim 1 (e.g. all but the last)."""
+        """The same states at `positions` of dim 1, the sequence (e.g. all but the last)."""
         return HiddenStates(self.hidden[:, positions], self.weight, self.chunk_tokens)
 
 
