@@ -36,7 +36,7 @@ GRAD_TOLERANCE = {"fp32": 1e-6}  # gradients and weight moves: relative to the l
 # fp32 accumulation order) than 26 rows, so a logit may round to the neighbouring bf16 value:
 # 2^-8 x |logit| (~1 here), up to twice that in a log-prob (measured: 0). The weights are
 # compared as exported, in bf16, and at lr 1000 they are about their own move: 2 bf16 ulps of the
-# largest (measured 0.0055, one ulp of the tied embedding).
+# largest (measured: 0.0055 of the largest move, at the tied embedding).
 VALUE_TOLERANCE["bf16"] = 2 * 2**-8
 GRAD_TOLERANCE["bf16"] = 2 * 2**-8
 # (layout, packing, sampled rows, tied embeddings, dtype) of the engine comparison
