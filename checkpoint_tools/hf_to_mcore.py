@@ -38,6 +38,7 @@ from checkpoint_tools.common import (
 from rlhf_megatron.errors import CheckpointError
 from rlhf_megatron.models.hf_checkpoint import HFCheckpoint, LazyTensor
 from rlhf_megatron.models.hf_load import LoadStats
+from rlhf_megatron.models.megatron_layout import mapped_tensors
 
 
 def preflight(checkpoint: HFCheckpoint) -> list[LazyTensor]:
@@ -120,7 +121,7 @@ def keep_source_dtypes(model: Any, table: Any, checkpoint: HFCheckpoint) -> int:
     must share a dtype: if the layers' sources disagree, the whole key keeps the model's dtype.
     """
     wanted: dict[str, torch.dtype | None] = {}
-    for name, _ in model.named_parameters():
+    for name, _ in mapped_tensors(model):
         resolved = table.resolve(name)
         dtypes = {checkpoint.open(hf).dtype for hf in resolved.hf_names.values()}
         wanted[name] = dtypes.pop() if len(dtypes) == 1 else None
@@ -128,7 +129,7 @@ def keep_source_dtypes(model: Any, table: Any, checkpoint: HFCheckpoint) -> int:
     for name, dtype in wanted.items():
         stacked.setdefault(re.sub(r"\.\d+\.", ".*.", name), set()).add(dtype)
     changed = 0
-    for name, param in model.named_parameters():
+    for name, param in mapped_tensors(model):
         dtypes = stacked[re.sub(r"\.\d+\.", ".*.", name)]
         dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
         if dtype is not None and dtype != param.dtype:
@@ -150,7 +151,7 @@ def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
 
     model = build_meta_model(args)
     table = spec.mapping_table_for(checkpoint.config)
-    names = [name for name, _ in model.named_parameters()]
+    names = [name for name, _ in mapped_tensors(model)]
     unmapped = [name for name in names if table.resolve(name) is None]
     if unmapped:  # before anything is written
         raise CheckpointError(f"no mapping for Megatron parameter {unmapped[0]!r}")

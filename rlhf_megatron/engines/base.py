@@ -42,7 +42,7 @@ from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatr
 from rlhf_megatron.models.builder import packs_by_cu_seqlens
 from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata, is_megatron_checkpoint
 from rlhf_megatron.models.hf_checkpoint import load_hf_config
-from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
+from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of, mapped_tensors
 from rlhf_megatron.parallel import ParallelDims
 from rlhf_megatron.platform import current_platform
 
@@ -491,14 +491,21 @@ class MegatronEngine:
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(global Megatron name, parameter) of this rank's shard, over all chunks."""
+        return self._named(lambda module: module.named_parameters())
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """`named_parameters` plus the buffers a mapping table names (a sigmoid router's expert
+        bias): what an export or a refit sends."""
+        return self._named(mapped_tensors)
+
+    def _named(self, tensors: Any) -> list[tuple[str, torch.Tensor]]:
         from rlhf_megatron.models.moe_layers import expert_offset_of
 
         named = []
         for chunk in self.chunks:
             module = unwrap(chunk)
             offset, experts = layer_offset_of(module), expert_offset_of(module)
-            named += [(global_layer_name(n, offset, experts), p)
-                      for n, p in module.named_parameters()]
+            named += [(global_layer_name(n, offset, experts), p) for n, p in tensors(module)]
         return named
 
 

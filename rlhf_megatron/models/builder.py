@@ -106,6 +106,7 @@ def build_gpt_model(
         # Megatron annotates rotary_base as int but only uses it as `base ** (...)`: pass the
         # float, or a fractional rope_theta (e.g. 10000.5) would be truncated.
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
         vp_stage=vp_stage,
     )
     if args.rope_scaling is not None:

@@ -42,6 +42,8 @@ class MegatronModelArgs:
     rope_scaling: Llama3RopeScaling | None
     tie_word_embeddings: bool
     use_te_spec: bool
+    # Share of each head's dimensions that RoPE rotates (the first ones; GLM-4.5: 0.5).
+    rotary_percent: float = 1.0
 
     @property
     def rope_scaling_factor(self) -> float | None:
@@ -129,6 +131,17 @@ def _rope_scaling(params: dict[str, Any]) -> Llama3RopeScaling | None:
     return scaling
 
 
+def _rotary_percent(params: dict[str, Any], head_dim: int) -> float:
+    """HF `partial_rotary_factor` -> Megatron's rotary_percent (both rotate the first
+    int(head_dim * factor) dimensions, rotate-half within them)."""
+    factor = float(params.get("partial_rotary_factor", 1.0) or 1.0)
+    rotated = int(head_dim * factor)
+    if not 0 < factor <= 1 or rotated % 2:
+        raise ConfigError(f"partial_rotary_factor={factor} must be in (0, 1] and rotate an even "
+                          f"number of the head's {head_dim} dimensions")
+    return factor
+
+
 def _check_sliding_window(hf_config: Any, max_sequence_length: int) -> None:
     window = getattr(hf_config, "sliding_window", None)
     enabled = getattr(hf_config, "use_sliding_window", window is not None)
@@ -201,7 +214,7 @@ def hf_to_megatron_args(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias(hf_config),
-        qk_layernorm=spec.qk_layernorm,
+        qk_layernorm=spec.qk_norm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -243,4 +256,5 @@ def hf_to_megatron_args(
         rope_scaling=_rope_scaling(rope),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         use_te_spec=use_te,
+        rotary_percent=_rotary_percent(rope, head_dim_of(hf_config)),
     )

@@ -16,7 +16,7 @@ import torch
 
 from rlhf_megatron.errors import CheckpointError
 from rlhf_megatron.models.hf_checkpoint import HFCheckpoint
-from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
+from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of, mapped_tensors
 from rlhf_megatron.models.moe_layers import expert_offset_of
 from rlhf_megatron.models.param_mapping import MappingTable, ModelShapes, ShardContext
 from rlhf_megatron.models.registry import ARCHITECTURES
@@ -41,7 +41,8 @@ def load_hf_weights(
     on_param: Callable[[str], None] | None = None,
     skip: Callable[[str], bool] | None = None,
 ) -> LoadStats:
-    """Copy this rank's shard of every parameter of `chunks` from `checkpoint`.
+    """Copy this rank's shard of every parameter (and mapped buffer) of `chunks` from
+    `checkpoint`.
 
     chunks: this rank's model chunks (GPTModel, optionally wrapped in DDP / Float16Module).
     on_param: called with each global Megatron name once it is loaded (progress bars).
@@ -52,7 +53,7 @@ def load_hf_weights(
     ctx = ShardContext(shapes, tp, tp_rank)
     for chunk in chunks:
         offset, experts = layer_offset_of(chunk), expert_offset_of(chunk)
-        for local_name, param in chunk.named_parameters():
+        for local_name, param in mapped_tensors(chunk):
             name = global_layer_name(local_name, offset, experts)
             if skip is not None and skip(name):
                 continue

@@ -74,7 +74,7 @@ def llama_like_table_for(spec: Any, hf_config: Any) -> MappingTable:
     """The table for `spec` (an ArchitectureSpec) and this HF config."""
     return llama_like_table(
         qkv_bias=spec.qkv_bias(hf_config),
-        qk_norm=spec.qk_layernorm,
+        qk_norm=spec.qk_norm(hf_config),
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
     )
 
@@ -90,7 +90,15 @@ _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "Qwen2MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "Glm4MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
+# The shared expert's HF module and, where it has one, its sigmoid gate.
+_SHARED_EXPERT_NAMES = {
+    "Qwen2MoeForCausalLM": ("mlp.shared_expert.", "mlp.shared_expert_gate.weight"),
+    "Glm4MoeForCausalLM": ("mlp.shared_experts.", None),
+}
+# The sigmoid router's fixed expert bias (Megatron's `expert_bias` buffer).
+_EXPERT_BIAS_NAMES = {"Glm4MoeForCausalLM": "mlp.gate.e_score_correction_bias"}
 
 
 @dataclass(frozen=True)
@@ -153,16 +161,21 @@ def expert_mappings(architecture: str, num_experts: int = 0) -> list[ParamMappin
         fc1, fc2 = mappings[1], mappings[2]
         mappings += [_stacked(f"{_M}mlp.experts.experts.linear_fc1.weight", fc1, num_experts),
                      _stacked(f"{_M}mlp.experts.experts.linear_fc2.weight", fc2, num_experts)]
-    if architecture == "Qwen2MoeForCausalLM":
-        shared = f"{_H}mlp.shared_expert."
+    if architecture in _SHARED_EXPERT_NAMES:
+        module, gate_weight = _SHARED_EXPERT_NAMES[architecture]
+        shared = f"{_H}{module}"
         mappings += [
             GatedMLPMapping(f"{_M}mlp.shared_experts.linear_fc1.weight",
                             gate=f"{shared}gate_proj.weight", up=f"{shared}up_proj.weight"),
             RowParallelMapping(f"{_M}mlp.shared_experts.linear_fc2.weight",
                                f"{shared}down_proj.weight"),
-            DirectMapping(f"{_M}mlp.shared_experts.gate_weight",
-                          f"{_H}mlp.shared_expert_gate.weight"),
         ]
+        if gate_weight:
+            mappings.append(DirectMapping(f"{_M}mlp.shared_experts.gate_weight",
+                                          f"{_H}{gate_weight}"))
+    if architecture in _EXPERT_BIAS_NAMES:
+        mappings.append(DirectMapping(f"{_M}mlp.router.expert_bias",
+                                      f"{_H}{_EXPERT_BIAS_NAMES[architecture]}"))
     return mappings
 
 

@@ -67,6 +67,21 @@ def global_layer_name(local_name: str, layer_offset: int, expert_offset: int = 0
     return f"{match.group(1)}{index}.{rest}"
 
 
+# Buffers that a mapping table names besides the parameters: a sigmoid router's expert bias
+# (DeepSeek-V3 / GLM-4.5 `e_score_correction_bias`). It is part of the model (it chooses the
+# experts), so the direct load, the checkpoint export and the refit carry it like a weight; it has
+# no gradient and no optimizer state.
+MAPPED_BUFFERS = ("expert_bias",)
+
+
+def mapped_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+    """(local name, tensor) of every parameter of `module` and of its MAPPED_BUFFERS."""
+    named = list(module.named_parameters())
+    named += [(name, buffer) for name, buffer in module.named_buffers()
+              if name.rsplit(".", 1)[-1] in MAPPED_BUFFERS]
+    return named
+
+
 def layer_offset_of(model_chunk: Any) -> int:
     """Global index of this chunk's first decoder layer (0 when it holds none)."""
     module = getattr(model_chunk, "module", model_chunk)

@@ -21,6 +21,23 @@ turns it into TransformerConfig keyword arguments. Field by field (HF -> Megatro
 Refused with a one-line ConfigError naming the field: router_jitter_noise > 0 (Mixtral's jitter
 multiplies the expert inputs too; Megatron's moe_input_jitter_eps only the router input),
 Qwen2-MoE's shared experts are handled by `shared_expert_kwargs`.
+
+GLM-4.5 (Glm4MoeForCausalLM; the same router as DeepSeek-V3):
+- sigmoid scores; `e_score_correction_bias` is added for the choice of experts only -> score
+  function "sigmoid" with `moe_router_enable_expert_bias` (Megatron's `expert_bias` buffer). The
+  bias is the checkpoint's and stays fixed, as in HF: Megatron's auxiliary-loss-free update of it
+  (moe_router_bias_update_rate, a pretraining device) is set to 0, so that the rollout engine,
+  which reads the same bias, routes as the trainer does.
+- the top-k weights are the chosen sigmoid scores renormalised to sum 1 (norm_topk_prob), then
+  times routed_scaling_factor -> moe_router_topk_scaling_factor. Megatron's sigmoid router always
+  renormalises when k > 1 and never when k = 1, so norm_topk_prob must say the same.
+- n_group / topk_group: HF scores each group by the sum of its top-2 scores (with the bias) and
+  keeps the topk_group best groups -> moe_router_num_groups / moe_router_group_topk, where
+  Megatron scores a group by its top (topk // group_topk): the two agree only when that is 2.
+  n_group = 1 is no grouping.
+- first_k_dense_replace: layers 0..k-1 dense (intermediate_size), the rest MoE.
+- n_shared_experts x moe_intermediate_size: an ungated shared expert added to the routed output.
+- no load-balancing loss (GLM-4.5 has none).
 """
 
 from __future__ import annotations
@@ -30,7 +47,8 @@ from typing import Any
 
 from rlhf_megatron.errors import ConfigError, LayoutError
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                     "Glm4MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -40,8 +58,11 @@ class MoeShape:
     num_experts: routed experts per sparse layer. topk: experts per token.
     expert_ffn: hidden size of one expert's FFN. dense_ffn: FFN size of the dense layers.
     sparse_layers: 0/1 per decoder layer (1 = MoE layer). norm_topk_prob: renormalise top-k probs.
-    aux_loss_coef: load-balancing loss coefficient. shared_expert_ffn: Qwen2-MoE's shared expert
-    FFN size (0 when none).
+    aux_loss_coef: load-balancing loss coefficient. shared_expert_ffn: the shared expert's FFN
+    size (0 when none); shared_expert_gate: whether a sigmoid gate scales it (Qwen2-MoE).
+    score_function: "softmax" or "sigmoid". expert_bias: a fixed per-expert bias added to the
+    scores for the choice only (sigmoid). num_groups / group_topk: group-limited routing (0 when
+    none). scaling_factor: multiplies the top-k weights (1.0 when none).
     """
 
     num_experts: int
@@ -52,6 +73,12 @@ class MoeShape:
     norm_topk_prob: bool
     aux_loss_coef: float
     shared_expert_ffn: int = 0
+    shared_expert_gate: bool = True
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    num_groups: int = 0
+    group_topk: int = 0
+    scaling_factor: float = 1.0
 
     @property
     def num_moe_layers(self) -> int:
@@ -69,7 +96,8 @@ def _num_experts(hf_config: Any) -> int:
         value = getattr(hf_config, field, None)
         if value:
             return int(value)
-    raise ConfigError("MoE config needs num_experts (Qwen) or num_local_experts (Mixtral) > 0")
+    raise ConfigError("MoE config needs num_experts (Qwen), num_local_experts (Mixtral) or "
+                      "n_routed_experts (GLM-4.5) > 0")
 
 
 def moe_shape(hf_config: Any) -> MoeShape:
@@ -81,6 +109,8 @@ def moe_shape(hf_config: Any) -> MoeShape:
     topk = int(hf_config.num_experts_per_tok)
     if not 0 < topk <= experts:
         raise ConfigError(f"num_experts_per_tok={topk} must be in [1, {experts}]")
+    if arch == "Glm4MoeForCausalLM":
+        return _sigmoid_router_shape(hf_config, experts, topk)
     if arch == "MixtralForCausalLM":
         jitter = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
         if jitter:
@@ -104,6 +134,36 @@ def moe_shape(hf_config: Any) -> MoeShape:
                     int(hf_config.intermediate_size), sparse,
                     bool(getattr(hf_config, "norm_topk_prob", False)),
                     float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0), shared)
+
+
+def _sigmoid_router_shape(hf_config: Any, experts: int, topk: int) -> MoeShape:
+    """GLM-4.5's (and DeepSeek-V3's) router and layer pattern; see the module docstring."""
+    num_layers = hf_config.num_hidden_layers
+    first_dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+    if not 0 <= first_dense < num_layers:
+        raise ConfigError(f"first_k_dense_replace={first_dense} leaves no MoE layer "
+                          f"(num_hidden_layers={num_layers})")
+    norm = bool(getattr(hf_config, "norm_topk_prob", True))
+    if norm != (topk > 1):
+        raise ConfigError(f"norm_topk_prob={norm} with num_experts_per_tok={topk} is unsupported: "
+                          "Megatron's sigmoid router renormalises the top k exactly when k > 1")
+    groups = int(getattr(hf_config, "n_group", 1) or 1)
+    group_topk = int(getattr(hf_config, "topk_group", 1) or 1)
+    if experts % groups:
+        raise ConfigError(f"n_routed_experts={experts} is not divisible by n_group={groups}")
+    if groups > 1 and not (0 < group_topk <= groups and topk // group_topk == 2):
+        raise ConfigError(f"n_group={groups} with topk_group={group_topk} and "
+                          f"num_experts_per_tok={topk} is unsupported: HF scores a group by its "
+                          "top-2 experts, Megatron by its top num_experts_per_tok // topk_group")
+    shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
+    expert_ffn = int(hf_config.moe_intermediate_size)
+    return MoeShape(
+        experts, topk, expert_ffn, int(hf_config.intermediate_size),
+        tuple(int(i >= first_dense) for i in range(num_layers)), norm, 0.0,
+        shared_expert_ffn=shared * expert_ffn, shared_expert_gate=False,
+        score_function="sigmoid", expert_bias=True,
+        num_groups=groups if groups > 1 else 0, group_topk=group_topk if groups > 1 else 0,
+        scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0))
 
 
 def validate_moe_layout(shape: MoeShape, *, tp: int, ep: int) -> None:
@@ -130,8 +190,8 @@ def moe_transformer_kwargs(shape: MoeShape, *, is_cuda: bool) -> dict[str, Any]:
         num_moe_experts=shape.num_experts,
         moe_router_topk=shape.topk,
         moe_ffn_hidden_size=shape.expert_ffn,
-        moe_router_pre_softmax=not shape.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not shape.norm_topk_prob and shape.score_function == "softmax",
+        moe_router_score_function=shape.score_function,
         moe_router_dtype="fp32",
         moe_layer_freq=list(shape.sparse_layers),
         moe_router_load_balancing_type="aux_loss" if shape.aux_loss_coef else "none",
@@ -142,5 +202,13 @@ def moe_transformer_kwargs(shape: MoeShape, *, is_cuda: bool) -> dict[str, Any]:
     )
     if shape.shared_expert_ffn:
         kwargs.update(moe_shared_expert_intermediate_size=shape.shared_expert_ffn,
-                      moe_shared_expert_gate=True, moe_shared_expert_overlap=False)
+                      moe_shared_expert_gate=shape.shared_expert_gate,
+                      moe_shared_expert_overlap=False)
+    if shape.expert_bias:
+        kwargs.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if shape.num_groups:
+        kwargs.update(moe_router_num_groups=shape.num_groups,
+                      moe_router_group_topk=shape.group_topk)
+    if shape.scaling_factor != 1.0:
+        kwargs.update(moe_router_topk_scaling_factor=shape.scaling_factor)
     return kwargs

@@ -2,6 +2,10 @@
 
 Each is its dense baseline (Qwen3: q/k norm, Qwen2: q/k/v bias, Mixtral: Mistral) with sparse MLP
 layers; what routes how is translated in models/moe_config.py, names in mapping_tables.py.
+GLM-4.5 is Llama-like attention with q/k/v biases (`attention_bias`, o_proj unbiased), optional
+per-head q/k norm (`use_qk_norm`) and partial RoPE (`partial_rotary_factor`), with a DeepSeek-V3
+style sigmoid router. Its multi-token-prediction layers (`num_nextn_predict_layers`) are not
+built or trained: HF's model skips them too, and a checkpoint's copy of them is left unread.
 """
 
 from __future__ import annotations
@@ -50,4 +54,16 @@ MIXTRAL = ARCHITECTURES.register(
 QWEN2_MOE = ARCHITECTURES.register(
     ArchitectureSpec("Qwen2MoeForCausalLM", qkv_bias=lambda cfg: True,
                      check_config=_check_qwen2_moe, mapping_table=moe_table_for)
+)
+
+
+def _check_glm4_moe(cfg: Any) -> None:
+    _check_llama_like(cfg)
+    _check_moe(cfg)
+
+
+GLM4_MOE = ARCHITECTURES.register(
+    ArchitectureSpec("Glm4MoeForCausalLM", qkv_bias=lambda cfg: bool(cfg.attention_bias),
+                     qk_layernorm=lambda cfg: bool(cfg.use_qk_norm),
+                     check_config=_check_glm4_moe, mapping_table=moe_table_for)
 )

@@ -19,7 +19,8 @@ class ArchitectureSpec:
 
     hf_architecture: the exact string in config.json's `architectures` list.
     qkv_bias: given the HF config, whether q/k/v projections carry a bias.
-    qk_layernorm: whether q and k get a per-head RMSNorm before RoPE (Qwen3).
+    qk_layernorm: whether q and k get a per-head RMSNorm before RoPE: True (Qwen3), or given the
+        HF config (GLM-4.5's `use_qk_norm`); read it through `qk_norm(hf_config)`.
     check_config: raises ConfigError for config values Megatron's GPTModel cannot reproduce.
     mapping_table: (spec, hf_config) -> the architecture's MappingTable (HF <-> Megatron names and
         layouts), used by the converter, the direct HF load and the refit.
@@ -27,9 +28,15 @@ class ArchitectureSpec:
 
     hf_architecture: str
     qkv_bias: Callable[[Any], bool]
-    qk_layernorm: bool = False
+    qk_layernorm: bool | Callable[[Any], bool] = False
     check_config: Callable[[Any], None] | None = None
     mapping_table: Callable[[ArchitectureSpec, Any], Any] | None = None
+
+    def qk_norm(self, hf_config: Any) -> bool:
+        """Whether this config's q and k get a per-head RMSNorm."""
+        if callable(self.qk_layernorm):
+            return bool(self.qk_layernorm(hf_config))
+        return self.qk_layernorm
 
     def mapping_table_for(self, hf_config: Any) -> Any:
         """This architecture's `MappingTable` for `hf_config`."""

@@ -65,7 +65,7 @@ class ModelShape:
             vocab=hf.vocab_size,
             max_positions=hf.max_position_embeddings,
             qkv_bias=spec.qkv_bias(hf),
-            qk_norm=spec.qk_layernorm,
+            qk_norm=spec.qk_norm(hf),
             tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         )
 

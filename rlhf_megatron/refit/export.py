@@ -99,7 +99,7 @@ def iter_hf_tensors(
                        tp=parallel_state.get_tensor_model_parallel_world_size(), rank=0)
     sender = is_stage_sender()
     tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
-    for name, param in engine.named_parameters():
+    for name, param in engine.named_weights():
         resolved = table.resolve(name)
         if resolved is None:
             raise KeyError(f"no mapping for Megatron parameter {name!r}")

@@ -101,7 +101,7 @@ def _send_stage(
             pass
         return
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    named = engine.named_parameters()
+    named = engine.named_weights()
     layer_bytes = layer_bytes_of(named, tp, parallel_state.get_expert_model_parallel_world_size())
     largest_other = max(
         (p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)

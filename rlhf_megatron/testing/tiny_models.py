@@ -16,7 +16,8 @@ import torch
 TINY_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Mixture-of-experts families (4 experts, top-2): their HF modules hold fused expert tensors in
 # memory while checkpoints store them per expert, so they are kept apart from the dense list.
-TINY_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+TINY_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+                          "Glm4MoeForCausalLM")
 
 _CORPUS_WORDS = (
     "the quick brown fox jumps over the lazy dog while a model learns to add numbers "
@@ -64,6 +65,7 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "MixtralForCausalLM": transformers.MixtralConfig,
+        "Glm4MoeForCausalLM": transformers.Glm4MoeConfig,
     }
     if architecture not in config_classes:
         raise ValueError(f"no tiny config for {architecture!r}; known: {sorted(config_classes)}")
@@ -84,6 +86,14 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
         fields.update(shared_expert_intermediate_size=96, use_sliding_window=False)
     if architecture == "MixtralForCausalLM":
         fields.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
+    # GLM-4.5's router (sigmoid, expert bias, groups, scaling), with 8 experts in 2 groups so that
+    # the group choice and the top-2 inside the chosen group both matter; layer 0 dense; q/k/v
+    # biases, q/k norm, RoPE on half of each head (its default partial_rotary_factor).
+    if architecture == "Glm4MoeForCausalLM":
+        fields.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                      norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
+                      attention_bias=True)
     fields.update(overrides)
     return config_classes[architecture](**fields)
 
@@ -149,6 +159,10 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+        # A sigmoid router's expert bias (a buffer, zero at init) moves which experts are chosen.
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(0.1 * torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype))
 
 
 def write_tiny_hf_reward_model(

@@ -1,6 +1,8 @@
-"""Tiny Qwen3-MoE and Mixtral (4 experts, top-2, GQA, head_dim 32) on Megatron at every MoE layout.
+"""Tiny Qwen3-MoE and Mixtral (4 experts, top-2, GQA, head_dim 32) and GLM-4.5 (8 experts in 2
+groups, sigmoid router with expert bias and scaling, shared expert, partial RoPE) on Megatron at
+every MoE layout.
 
-One 4-rank gloo job walks both architectures and the layouts EP1 (reference), EP2, TP2, PP2 and
+One 4-rank gloo job walks the architectures and the layouts EP1 (reference), EP2, TP2, PP2 and
 EP2xPP2 (plus TP2xEP2): each layout loads the HF checkpoint directly (each rank reads only its own
 experts: checked), runs a forward/backward through Megatron's schedule (all-to-all token dispatcher
 over gloo), and compares
@@ -116,6 +118,7 @@ def _check_layout(hf_dir: str, tp: int, pp: int, ep: int, hf_logits: torch.Tenso
     )
     finalize_model_grads(chunks)
     result = {"logits": None, "experts_read": sorted(experts_read), "ep_rank": ep_rank,
+              "experts": args.transformer_config.num_moe_experts,
               "grads": {}, "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
     if logits_seen:
         expected = hf_logits[dp_rank * per_rank:(dp_rank + 1) * per_rank]
@@ -175,7 +178,7 @@ def test_moe_logits_grads_and_expert_reads_at_every_layout(tmp_path):
             logits = [r["logits"] for r in results if r["logits"] is not None]
             assert logits and max(logits) < LOGIT_TOLERANCE, (arch_dir, layout, logits)
             for r in results:
-                local = 4 // ep
+                local = r["experts"] // ep
                 own = list(range(r["ep_rank"] * local, (r["ep_rank"] + 1) * local))
                 assert r["experts_read"] == own, (layout, r["ep_rank"], r["experts_read"])
                 for name, grad in r["grads"].items():

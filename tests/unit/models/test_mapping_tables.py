@@ -25,7 +25,7 @@ def _megatron_names(spec, cfg, *, te: bool) -> list[str]:
         per_layer += ["input_layernorm.weight", "pre_mlp_layernorm.weight"]
     if spec.qkv_bias(cfg):
         per_layer.append("self_attention.linear_qkv.bias")
-    if spec.qk_layernorm:
+    if spec.qk_norm(cfg):
         per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
     names += [f"decoder.layers.{i}.{n}" for i in range(LAYERS) for n in per_layer]

@@ -76,7 +76,9 @@ def test_megatron_router_equals_hf_router(norm_topk_prob):
 @pytest.mark.parametrize("arch", TINY_MOE_ARCHITECTURES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_expert_mappings_round_trip_sequential_and_grouped(arch, tp):
-    cfg = tiny_hf_config(arch, vocab_size=300, num_layers=1)
+    # One MoE layer of 4 experts for every family (GLM-4.5's tiny model has 8, after a dense one).
+    glm = {"first_k_dense_replace": 0, "n_routed_experts": 4} if arch.startswith("Glm4") else {}
+    cfg = tiny_hf_config(arch, vocab_size=300, num_layers=1, **glm)
     table = ARCHITECTURES.for_hf_config(cfg).mapping_table_for(cfg)
     block, gate, up, down = (("block_sparse_moe", "w1", "w3", "w2") if arch.startswith("Mixtral")
                              else ("mlp", "gate_proj", "up_proj", "down_proj"))
@@ -102,6 +104,71 @@ def test_expert_mappings_round_trip_sequential_and_grouped(arch, tp):
     shard = fc1.hf_to_megatron(hf.__getitem__, ShardContext(shapes, 1, 0))
     expert3 = f"model.layers.0.{block}.experts.3."
     assert torch.equal(shard, torch.cat([hf[f"{expert3}{gate}.weight"], hf[f"{expert3}{up}.weight"]]))
+
+
+def test_glm4_moe_translation():
+    """GLM-4.5's router and layer pattern (models/moe_config.py, the sigmoid router)."""
+    cfg = tiny_hf_config("Glm4MoeForCausalLM", vocab_size=300)
+    args = _args(cfg)
+    config = args.transformer_config
+    assert config.num_moe_experts == 8 and config.moe_router_topk == 2
+    assert config.moe_layer_freq == [0, 1, 1, 1]  # first_k_dense_replace=1
+    assert config.moe_router_score_function == "sigmoid" and not config.moe_router_pre_softmax
+    assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+    assert config.moe_router_topk_scaling_factor == 2.5
+    assert config.moe_shared_expert_intermediate_size == 64 and not config.moe_shared_expert_gate
+    assert config.moe_router_load_balancing_type == "none"
+    assert config.add_qkv_bias and config.qk_layernorm and args.rotary_percent == 0.5
+    plain = _args(tiny_hf_config("Glm4MoeForCausalLM", vocab_size=300, n_group=1,
+                                 use_qk_norm=False, attention_bias=False)).transformer_config
+    assert plain.moe_router_num_groups is None and not plain.qk_layernorm
+    assert not plain.add_qkv_bias
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("norm_topk_prob", False, "norm_topk_prob=False"),
+    ("topk_group", 2, "topk_group=2"),  # top-2 of 2 groups: a group scored by its top 1
+    ("first_k_dense_replace", 4, "first_k_dense_replace=4"),
+    ("n_group", 3, "not divisible by n_group=3"),
+])
+def test_glm4_moe_refusals(field, value, match):
+    cfg = tiny_hf_config("Glm4MoeForCausalLM", vocab_size=300, **{field: value})
+    with pytest.raises(ConfigError, match=match):
+        ARCHITECTURES.for_hf_config(cfg)
+
+
+def test_partial_rotary_must_rotate_an_even_number_of_dimensions():
+    cfg = tiny_hf_config("Glm4MoeForCausalLM", vocab_size=300)
+    cfg.rope_parameters["partial_rotary_factor"] = 0.3  # 9.6 of 32 dimensions
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.3"):
+        _args(cfg)
+
+
+@pytest.mark.parametrize("groups,group_topk,topk", [(1, 1, 2), (2, 1, 2), (4, 2, 4)])
+def test_megatron_sigmoid_router_equals_hf_glm4_router(groups, group_topk, topk):
+    """HF's own Glm4MoeTopkRouter (sigmoid, bias for the choice only, group-limited top-k,
+    renormalised, scaled) against Megatron's routing with the translated settings."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    cfg = tiny_hf_config("Glm4MoeForCausalLM", vocab_size=300, n_group=groups,
+                         topk_group=group_topk, num_experts_per_tok=topk)
+    shape = moe_shape(cfg)
+    g = torch.Generator().manual_seed(groups)
+    router = Glm4MoeTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=g))
+    hidden = torch.randn(64, 128, generator=g)
+    logits, weights, index = router(hidden)
+    expected = torch.zeros_like(logits).scatter(1, index, weights)
+    got, routing_map = topk_routing_with_score_function(
+        logits, topk, score_function="sigmoid", expert_bias=router.e_score_correction_bias,
+        num_groups=shape.num_groups or None, group_topk=shape.group_topk or None,
+        scaling_factor=shape.scaling_factor)
+    assert torch.equal(routing_map, expected > 0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
 def test_local_expert_names_become_global():
