@@ -92,7 +92,7 @@ def is_moe_config(hf_config: Any) -> bool:
 
 
 def _num_experts(hf_config: Any) -> int:
-    for field in ("num_experts", "num_local_experts"):
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
         value = getattr(hf_config, field, None)
         if value:
             return int(value)

@@ -47,7 +47,9 @@ class ModelShape:
     sparse_layers: tuple[int, ...] = ()
     """0/1 per decoder layer, 1 = MoE layer (empty for a dense model)."""
     shared_expert_ffn: int = 0
-    """Qwen2-MoE's shared expert (with its (1, hidden) sigmoid gate); 0 when none."""
+    """The shared expert's FFN size; 0 when none."""
+    shared_expert_gate: bool = True
+    """Whether the shared expert has a (1, hidden) sigmoid gate (Qwen2-MoE; GLM-4.5 has none)."""
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelShape:
@@ -98,7 +100,7 @@ class ModelShape:
             experts = self.experts // ep * 3 * self.hidden * self.expert_ffn // tp
             if self.shared_expert_ffn:
                 sharded += 3 * self.hidden * self.shared_expert_ffn
-                replicated += self.hidden
+                replicated += self.hidden if self.shared_expert_gate else 0
             return sharded // tp + experts + replicated
         return (sharded + 3 * self.hidden * self.ffn) // tp + replicated
 
@@ -132,7 +134,8 @@ def _moe_fields(hf: Any) -> dict[str, Any]:
         return {}
     moe = moe_shape(hf)
     return {"experts": moe.num_experts, "expert_ffn": moe.expert_ffn, "topk": moe.topk,
-            "sparse_layers": moe.sparse_layers, "shared_expert_ffn": moe.shared_expert_ffn}
+            "sparse_layers": moe.sparse_layers, "shared_expert_ffn": moe.shared_expert_ffn,
+            "shared_expert_gate": moe.shared_expert_gate}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ CASES = [
     ("configs/qwen2.5-72b_grpo_8x8.yaml", "actor"),  # vpp chunks
     ("configs/qwen3-30b-a3b_grpo_2x8.yaml", "actor"),  # MoE: EP 16, 8 of 128 experts per rank
     ("configs/qwen3-235b-a22b_grpo_16x8.yaml", "actor"),  # MoE: TP 4 x PP 2 x EP 8
+    ("configs/glm-4.5-air_grpo_8x8.yaml", "actor"),  # sigmoid router, ungated shared expert
+    ("configs/glm-4.5_grpo_16x8_h200.yaml", "actor"),  # 3 dense layers first, q/k norm, PP 4
 ]
 
 
