@@ -79,7 +79,8 @@ SDPA = Cases(("LlamaForCausalLM",), ENGINE.layouts, ranks=2)
 # The critic's values and the reward model's scores against TP1 (test_critic_reward).
 CRITIC = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
 # Routing replay and the router metrics of a MoE actor (test_moe_replay).
-MOE_REPLAY = Cases(("Qwen3MoeForCausalLM",), (Layout(pp=2), Layout(ep=2)), ranks=2)
+MOE_REPLAY = Cases(("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"), (Layout(pp=2), Layout(ep=2)),
+                   ranks=2)
 # MoE logits against HF, gradients against TP1/PP1/EP1, and which experts each rank reads, at
 # every layout of 4 ranks with TP, PP and EP (test_moe_parity).
 MOE_PARITY = Cases(

@@ -1,9 +1,11 @@
 """Training-side routing replay and the router's metrics on a tiny Qwen3-MoE (4 experts, top-2,
-4 MoE layers), at PP2 and at EP2 (2 ranks, gloo):
+4 MoE layers) and a tiny GLM-4.5 (sigmoid router with expert bias, 2 expert groups, routed scaling;
+layer 0 dense), at PP2 and at EP2 (one 2-rank gloo job for both):
 
 - the old-log-prob forward records each token's experts (`routed_experts`, combined over the
   pipeline stages): equal to the top-k of HF's own router logits, computed here by hand;
-- `moe/aux_loss` equals the switch-transformer loss E * sum_e f_e P_e computed by hand from HF's
+  for GLM-4.5 equal to the experts HF's own `Glm4MoeTopkRouter` chose (read off its forward);
+- `moe/aux_loss` (Qwen3-MoE; GLM-4.5 has no load-balancing loss) equals the switch-transformer loss E * sum_e f_e P_e computed by hand from HF's
   router logits (summed over layers, averaged over micro-batches);
 - with replay on, the update pass routes exactly as recorded (`moe/routing_mismatch` 0) even after
   a large step has moved the router (`moe/routing_drift` > 0: it would have chosen otherwise);
@@ -59,6 +61,27 @@ def _hand_computed(hf_dir: str, batch) -> tuple[torch.Tensor, float]:
     return topk, aux / 2
 
 
+def _hf_router_choices(hf_dir: str, batch) -> torch.Tensor:
+    """(bs, S, MoE layers, k) sorted experts that HF's routers chose (GLM-4.5: after the bias,
+    the group limit and the top-k), read off each router's forward."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    chosen: list[torch.Tensor] = []
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [r.register_forward_hook(lambda m, i, out: chosen.append(out[2])) for r in routers]
+    with torch.no_grad():
+        model(input_ids=batch.input_ids)
+    for hook in hooks:
+        hook.remove()
+    bs, seq = batch.input_ids.shape
+    return torch.stack([c.view(bs, seq, -1).sort(-1).values for c in chosen], 2)
+
+
+def _replay_all(hf_dirs: list[str]) -> dict[str, list[dict]]:
+    return {hf_dir: _replay_job(hf_dir) for hf_dir in hf_dirs}
+
+
 def _replay_job(hf_dir: str) -> list[dict]:
     import torch.distributed as dist
 
@@ -68,11 +91,12 @@ def _replay_job(hf_dir: str) -> list[dict]:
 
     batch = _batch()
     results = []
+    aux = AUX_COEFF if "Qwen3Moe" in hf_dir else 0.0  # GLM-4.5 trains without one
     for layout in MOE_REPLAY.layouts:
         dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
         config = EngineConfig(micro_batch_size=2, routing_replay=True,
-                              moe_aux_loss_coeff=AUX_COEFF,
+                              moe_aux_loss_coeff=aux,
                               optimizer=OptimizerSettings(name="sgd", lr=50.0, clip_grad=0.0))
         actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
         old = actor.compute_logprobs(batch, with_entropy=True)
@@ -89,20 +113,26 @@ def _replay_job(hf_dir: str) -> list[dict]:
 
 @pytest.mark.multirank
 def test_routing_replay_and_router_metrics(tmp_path):
-    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", MOE_REPLAY.architectures[0]))
+    dirs = {arch: str(write_tiny_hf_checkpoint(tmp_path / arch, arch))
+            for arch in MOE_REPLAY.architectures}
     batch = _batch()
-    expected_topk, expected_aux = _hand_computed(hf_dir, batch)
-    per_rank = run_on_ranks(_replay_job, 2, (hf_dir,), timeout_s=600)
+    qwen = dirs["Qwen3MoeForCausalLM"]
+    expected_topk, expected_aux = _hand_computed(qwen, batch)
+    assert torch.equal(_hf_router_choices(qwen, batch), expected_topk)  # the two readings agree
+    expected = {qwen: expected_topk, dirs["Glm4MoeForCausalLM"]:
+                _hf_router_choices(dirs["Glm4MoeForCausalLM"], batch)}
+    per_rank = run_on_ranks(_replay_all, 2, (list(dirs.values()),), timeout_s=600)
     for rank_results in per_rank:
-        for result in rank_results:
+        for hf_dir, result in ((d, r) for d, rs in rank_results.items() for r in rs):
             layout, first = result["layout"], result["first"]
             recorded = result["recorded"].long().sort(-1).values
-            assert torch.equal(recorded, expected_topk), layout
-            assert first["moe/aux_loss"] == pytest.approx(expected_aux, rel=1e-5), layout
-            assert first["moe/aux_loss_term"] == pytest.approx(AUX_COEFF * expected_aux,
-                                                               rel=1e-5), layout
+            assert torch.equal(recorded, expected[hf_dir]), (hf_dir, layout)
+            if hf_dir == qwen:
+                assert first["moe/aux_loss"] == pytest.approx(expected_aux, rel=1e-5), layout
+                assert first["moe/aux_loss_term"] == pytest.approx(AUX_COEFF * expected_aux,
+                                                                   rel=1e-5), layout
             assert first["moe/routing_mismatch"] == 0.0 and first["moe/routing_drift"] == 0.0
-            for name in ("moe/load_max/layer0", "moe/load_min/layer3"):
+            for name in ("moe/load_max/layer1", "moe/load_min/layer3"):
                 assert name in first, (layout, sorted(first))
             replayed, free = result["replayed"], result["free"]
             assert replayed["moe/routing_drift"] > 0.05, (layout, replayed)
