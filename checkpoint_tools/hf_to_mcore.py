@@ -97,13 +97,13 @@ def convert_hf_to_mcore(
             no_init = dataclasses.replace(args.transformer_config, perform_initialization=False)
             args = dataclasses.replace(args, transformer_config=no_init,
                                        padded_vocab_size=target.padded_vocab_size)
-            stats, copier = _load_and_save(checkpoint, spec, args, tmp, progress=progress,
-                                           keep_own_dtypes=keep_own_dtypes)
+            stats, copier, export_dtypes = _load_and_save(
+                checkpoint, spec, args, tmp, progress=progress, keep_own_dtypes=keep_own_dtypes)
             assets = copy_hf_assets(hf_dir, tmp / ASSETS_DIR)
             ConvertedMetadata(
                 architecture=spec.hf_architecture, hf_config=config.to_dict(), dtype=dtype,
                 vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
-                asset_files=assets,
+                asset_files=assets, export_dtypes=export_dtypes,
             ).write(tmp)
             done = time.perf_counter()
     end = time.perf_counter()
@@ -138,10 +138,26 @@ def keep_source_dtypes(model: Any, table: Any, checkpoint: HFCheckpoint) -> int:
     return changed
 
 
+def buffer_export_dtypes(model: Any, table: Any, checkpoint: HFCheckpoint) -> dict[str, str]:
+    """Megatron name -> HF dtype name of each mapped buffer whose HF tensor is not fp32: Megatron
+    stores a router's expert bias in fp32 whatever the source (`ConvertedMetadata.export_dtypes`
+    then gives `mcore-to-hf` the dtype to write it back in)."""
+    parameters = {name for name, _ in model.named_parameters()}
+    wanted = {}
+    for name, _ in mapped_tensors(model):
+        if name in parameters:
+            continue
+        dtypes = {checkpoint.open(hf).dtype for hf in table.resolve(name).hf_names.values()}
+        if len(dtypes) == 1 and (dtype := dtypes.pop()) != torch.float32:
+            wanted[name] = dtype_name(dtype)
+    return wanted
+
+
 def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
-                   progress: bool, keep_own_dtypes: bool) -> tuple[LoadStats, Any]:
-    """Stream the save; returns the load stats and the `FileCopier` (bytes and time of the
-    in-kernel copies). `keep_own_dtypes`: store each tensor in its HF sources' dtype."""
+                   progress: bool, keep_own_dtypes: bool) -> tuple[LoadStats, Any, dict]:
+    """Stream the save; returns the load stats, the `FileCopier` (bytes and time of the
+    in-kernel copies) and the buffers' export dtypes. `keep_own_dtypes`: store each tensor in its
+    HF sources' dtype (and write the buffers Megatron keeps in fp32 back in theirs)."""
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
@@ -155,8 +171,10 @@ def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
     unmapped = [name for name in names if table.resolve(name) is None]
     if unmapped:  # before anything is written
         raise CheckpointError(f"no mapping for Megatron parameter {unmapped[0]!r}")
+    export_dtypes = {}
     if keep_own_dtypes:
         keep_source_dtypes(model, table, checkpoint)
+        export_dtypes = buffer_export_dtypes(model, table, checkpoint)
     copier = FileCopier()
     with tqdm(total=len(names), desc="hf -> mcore", unit="tensor", disable=not progress) as bar:
         source = ChunkSource(checkpoint, table,
@@ -167,4 +185,4 @@ def _load_and_save(checkpoint: HFCheckpoint, spec: Any, args: Any, tmp: Path, *,
                                     sharded_strategy=streaming_strategy(source))
         finally:
             copier.close()
-    return LoadStats(params=source.params, bytes_loaded=source.bytes), copier
+    return LoadStats(params=source.params, bytes_loaded=source.bytes), copier, export_dtypes

@@ -117,7 +117,8 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
           hf_shapes: dict[str, torch.Size], dtype: torch.dtype | None
           ) -> tuple[list[tuple[SourceTensor, Any, torch.dtype]], list[PlannedTensor]]:
     """(source, mapping, output dtype) per exported Megatron tensor, and the output plan.
-    `dtype` None: each HF tensor in its Megatron tensor's stored dtype."""
+    `dtype` None: each HF tensor in its Megatron tensor's stored dtype (or, for a tensor that
+    Megatron keeps in another dtype, the one `metadata.export_dtypes` recorded)."""
     work, planned = [], []
     for source in sources:
         resolved = table.resolve(source.megatron_name)
@@ -127,7 +128,8 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
             )
         if not resolved.mapping.export:
             continue
-        out_dtype = dtype or source.dtype
+        stored_as = metadata.export_dtypes.get(source.megatron_name)
+        out_dtype = dtype or (DTYPES[stored_as] if stored_as else source.dtype)
         work.append((source, resolved, out_dtype))
         for role in resolved.mapping.hf:
             name = resolved.hf_names[role]

@@ -8,6 +8,7 @@ from typing import Any
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.config_translation import MegatronModelArgs
 from rlhf_megatron.models.lean_spec import use_lean_local_modules
+from rlhf_megatron.platform import transformer_engine_available
 
 # Test/debug switch for the local spec (no TE): "sdpa" (default: SDPA core attention and the
 # SwiGLU MLP without the zero-offset pass) or "megatron" (Megatron's stock local spec with its
@@ -53,9 +54,12 @@ def build_layer_spec(args: MegatronModelArgs, backend: str | None = None) -> Any
     qk_layernorm = args.transformer_config.qk_layernorm
     backend = backend or attention_backend(args)
     if backend == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=qk_layernorm,
+            multi_latent_attention=args.transformer_config.multi_latent_attention)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=qk_layernorm, normalization="RMSNorm"
+        qk_layernorm=qk_layernorm, normalization="RMSNorm",
+        multi_latent_attention=args.transformer_config.multi_latent_attention,
     )
     if backend == "sdpa":
         use_lean_local_modules(spec)
@@ -70,6 +74,22 @@ def _layer_spec_for_stage(args: MegatronModelArgs, backend: str, vp_stage: int |
     from rlhf_megatron.models.moe_layers import moe_block_spec
 
     return moe_block_spec(args.transformer_config, backend, vp_stage=vp_stage)
+
+
+class _AbsentTEClass:
+    """Stands in for a Transformer Engine class that is not installed: nothing is an instance."""
+
+
+def _mla_without_te() -> None:
+    """Without TE, Megatron-Core 0.16 puts `MagicMock` objects where TE's classes would be, and
+    `MLASelfAttention.__init__` then fails in `isinstance(self.linear_proj, TELinear)` (a
+    TypeError: a mock is not a type). Give the MLA module a class that nothing is an instance
+    of, so that its TE branches are skipped as they are meant to be when TE is absent."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    for name in ("TELinear", "TEColumnParallelLinear"):
+        if not isinstance(getattr(mla, name), type):
+            setattr(mla, name, _AbsentTEClass)
 
 
 def build_gpt_model(
@@ -93,6 +113,8 @@ def build_gpt_model(
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     backend = attention_backend(args)
+    if args.transformer_config.multi_latent_attention and not transformer_engine_available():
+        _mla_without_te()
     model = GPTModel(
         config=args.transformer_config,
         transformer_layer_spec=_layer_spec_for_stage(args, backend, vp_stage),
@@ -114,6 +136,10 @@ def build_gpt_model(
         # (see Llama3RopeScaling); the unscaled frequencies are rescaled with the config's own.
         rope = model.rotary_pos_emb
         rope.inv_freq = args.rope_scaling.scale(rope.inv_freq)
+    if args.transformer_config.multi_latent_attention:
+        from rlhf_megatron.models.mla_layers import fix_mla_tp_gradients
+
+        fix_mla_tp_gradients(model)
     model.attention_backend = backend  # what micro-batches must carry: see packs_by_cu_seqlens
     return model
 

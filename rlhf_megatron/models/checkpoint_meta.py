@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,9 @@ class ConvertedMetadata:
 
     padded_vocab_size: embedding rows in the checkpoint; it fixes which TP sizes can load it.
     saved_tp / saved_pp: the layout it was written from (the torch_dist format is layout-free).
+    export_dtypes: Megatron tensor name -> the dtype its HF tensor had, where Megatron stores it
+        in another (a router's expert bias: Megatron keeps it fp32 whatever the checkpoint had),
+        so that `mcore-to-hf` writes it back as it came.
     """
 
     architecture: str
@@ -64,6 +67,7 @@ class ConvertedMetadata:
     saved_tp: int = 1
     saved_pp: int = 1
     format_version: int = FORMAT_VERSION
+    export_dtypes: dict[str, str] = field(default_factory=dict)
 
     def write(self, ckpt_dir: Path) -> None:
         (ckpt_dir / METADATA_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))

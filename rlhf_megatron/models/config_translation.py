@@ -142,6 +142,49 @@ def _rotary_percent(params: dict[str, Any], head_dim: int) -> float:
     return factor
 
 
+# Multi-latent attention (DeepSeek-V3, Kimi-K2): HF field -> MLATransformerConfig field.
+_MLA_FIELDS = {"q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+               "qk_nope_head_dim": "qk_head_dim", "qk_rope_head_dim": "qk_pos_emb_head_dim",
+               "v_head_dim": "v_head_dim"}
+# HF YaRN parameter -> Megatron's (its YarnRotaryEmbedding and MLA softmax scale).
+_YARN_FIELDS = {"factor": "rotary_scaling_factor",
+                "original_max_position_embeddings": "original_max_position_embeddings",
+                "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
+                "mscale_all_dim": "mscale_all_dim"}
+
+
+def uses_mla(hf_config: Any) -> bool:
+    """Whether the config describes multi-latent attention (it has a kv_lora_rank)."""
+    return getattr(hf_config, "kv_lora_rank", None) is not None
+
+
+def _mla_kwargs(hf_config: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """MLATransformerConfig's MLA and RoPE fields. Megatron's MLA de-interleaves the RoPE
+    dimensions of each head before rotating them (`multi_latent_attention` in its rope_utils),
+    which is HF's `rope_interleave=True` (the DeepSeek-V3 layout); RoPE type "rope" or "yarn"."""
+    if not getattr(hf_config, "rope_interleave", True):
+        raise ConfigError("rope_interleave=False is unsupported with multi-latent attention: "
+                          "Megatron's MLA rotates interleaved RoPE dimensions only")
+    kwargs: dict[str, Any] = {"multi_latent_attention": True,
+                              "rotary_base": float(rope["rope_theta"]),
+                              **{ours: getattr(hf_config, theirs)
+                                 for theirs, ours in _MLA_FIELDS.items()}}
+    rope_type = rope["rope_type"]
+    if rope_type == "default":
+        return {**kwargs, "rope_type": "rope"}
+    if rope_type != "yarn":
+        raise ConfigError(f"rope scaling {rope!r} is unsupported with multi-latent attention "
+                          "(default or yarn only)")
+    missing = [field for field in ("factor", "original_max_position_embeddings")
+               if rope.get(field) is None]
+    if missing:
+        raise ConfigError(f"yarn rope scaling needs rope_scaling.{missing[0]}; got {rope!r}")
+    yarn = {ours: float(rope[theirs]) for theirs, ours in _YARN_FIELDS.items()
+            if rope.get(theirs) is not None}
+    yarn["original_max_position_embeddings"] = int(yarn["original_max_position_embeddings"])
+    return {**kwargs, "rope_type": "yarn", **yarn}
+
+
 def _check_sliding_window(hf_config: Any, max_sequence_length: int) -> None:
     window = getattr(hf_config, "sliding_window", None)
     enabled = getattr(hf_config, "use_sliding_window", window is not None)
@@ -181,7 +224,7 @@ def hf_to_megatron_args(
 
     cp_comm_type: how TE attention exchanges K/V when dims.cp > 1 (EngineConfig.cp_comm_type).
     """
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     platform = platform or current_platform()
     dims.validate_for_model(
@@ -198,10 +241,11 @@ def hf_to_megatron_args(
     max_sequence_length = max_sequence_length or hf_config.max_position_embeddings
     _check_sliding_window(hf_config, max_sequence_length)
     rope = _rope_parameters(hf_config)
+    mla = _mla_kwargs(hf_config, rope) if uses_mla(hf_config) else {}
     use_te = platform.is_cuda and transformer_engine_available()
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                  "recompute_num_layers": 1} if recompute_activations else {}
-    config = TransformerConfig(
+    config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=ffn_hidden_size,
@@ -246,6 +290,7 @@ def hf_to_megatron_args(
         moe_token_dispatcher_type="alltoall",
         **recompute,
         **moe,
+        **mla,
     )
     return MegatronModelArgs(
         transformer_config=config,
@@ -253,7 +298,7 @@ def hf_to_megatron_args(
         padded_vocab_size=pad_vocab_size(hf_config.vocab_size, dims.tp, vocab_divisor),
         max_sequence_length=max_sequence_length,
         rotary_base=float(rope["rope_theta"]),
-        rope_scaling=_rope_scaling(rope),
+        rope_scaling=None if mla else _rope_scaling(rope),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         use_te_spec=use_te,
         rotary_percent=_rotary_percent(rope, head_dim_of(hf_config)),

@@ -21,7 +21,8 @@ def use_lean_local_modules(spec: Any) -> None:
     layer = spec.submodules
     attention = layer.self_attention.submodules
     attention.core_attention = SDPAttention
-    attention.linear_qkv = lean.get(attention.linear_qkv, attention.linear_qkv)
+    if hasattr(attention, "linear_qkv"):  # multi-latent attention keeps Megatron's projections
+        attention.linear_qkv = lean.get(attention.linear_qkv, attention.linear_qkv)
     attention.linear_proj = lean.get(attention.linear_proj, attention.linear_proj)
     if layer.mlp.module is MLP:  # dense models (an MoE layer keeps its own modules)
         layer.mlp.module = SwiGLUMLP

@@ -15,6 +15,7 @@ import torch
 
 from rlhf_megatron.models.moe_config import moe_shape
 from rlhf_megatron.models.param_mapping import (
+    ColumnParallelMapping,
     DirectMapping,
     GatedMLPMapping,
     MappingTable,
@@ -29,22 +30,57 @@ _M = "decoder.layers.*."  # Megatron layer prefix (global layer index)
 _H = "model.layers.*."  # HF layer prefix
 
 
-def llama_like_table(*, qkv_bias: bool, qk_norm: bool, tied: bool) -> MappingTable:
-    """The table of a Llama-like decoder.
+def mla_mappings() -> list[ParamMapping]:
+    """Multi-latent attention (DeepSeek-V3): HF's low-rank q/kv projections and their norms.
 
-    qkv_bias: q/k/v projections have biases (Qwen2). qk_norm: per-head RMSNorm on q and k (Qwen3).
-    tied: the output layer shares the embedding (HF writes no `lm_head.weight`).
-    """
-    attn, mlp = f"{_H}self_attn.", f"{_H}mlp."
-    mappings: list[ParamMapping] = [
-        VocabParallelMapping("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-        DirectMapping("decoder.final_layernorm.weight", "model.norm.weight"),
+    Row layouts agree, so each maps as a plain column- or row-parallel tensor: q_b_proj holds per
+    head [nope; rope] dims (Megatron's linear_q_up_proj, split the same way), kv_b_proj per head
+    [k_nope; v] (linear_kv_up_proj), kv_a_proj_with_mqa [latent; shared rope key]
+    (linear_kv_down_proj). With the local spec the two down projections are column-parallel
+    and gathered before their norms; the TE spec fuses the norms into the up projections
+    (`layer_norm_weight`) and keeps the down projections whole."""
+    attn, sa = f"{_H}self_attn.", f"{_M}self_attention."
+    return [
+        DirectMapping(f"{_M}input_layernorm.weight", f"{_H}input_layernorm.weight"),
+        ColumnParallelMapping(f"{sa}linear_q_proj.weight", f"{attn}q_proj.weight"),
+        ColumnParallelMapping(f"{sa}linear_q_down_proj.weight", f"{attn}q_a_proj.weight"),
+        DirectMapping(f"{sa}q_layernorm.weight", f"{attn}q_a_layernorm.weight"),
+        DirectMapping(f"{sa}linear_q_up_proj.layer_norm_weight", f"{attn}q_a_layernorm.weight"),
+        ColumnParallelMapping(f"{sa}linear_q_up_proj.weight", f"{attn}q_b_proj.weight"),
+        ColumnParallelMapping(f"{sa}linear_kv_down_proj.weight",
+                              f"{attn}kv_a_proj_with_mqa.weight"),
+        DirectMapping(f"{sa}kv_layernorm.weight", f"{attn}kv_a_layernorm.weight"),
+        DirectMapping(f"{sa}linear_kv_up_proj.layer_norm_weight", f"{attn}kv_a_layernorm.weight"),
+        ColumnParallelMapping(f"{sa}linear_kv_up_proj.weight", f"{attn}kv_b_proj.weight"),
+        RowParallelMapping(f"{sa}linear_proj.weight", f"{attn}o_proj.weight"),
+    ]
+
+
+def _gqa_mappings() -> list[ParamMapping]:
+    attn = f"{_H}self_attn."
+    return [
         DirectMapping(f"{_M}input_layernorm.weight", f"{_H}input_layernorm.weight"),
         DirectMapping(f"{_M}self_attention.linear_qkv.layer_norm_weight",
                       f"{_H}input_layernorm.weight"),
         QKVMapping(f"{_M}self_attention.linear_qkv.weight",
                    q=f"{attn}q_proj.weight", k=f"{attn}k_proj.weight", v=f"{attn}v_proj.weight"),
         RowParallelMapping(f"{_M}self_attention.linear_proj.weight", f"{attn}o_proj.weight"),
+    ]
+
+
+def llama_like_table(*, qkv_bias: bool, qk_norm: bool, tied: bool,
+                     mla: bool = False) -> MappingTable:
+    """The table of a Llama-like decoder.
+
+    qkv_bias: q/k/v projections have biases (Qwen2). qk_norm: per-head RMSNorm on q and k (Qwen3).
+    tied: the output layer shares the embedding (HF writes no `lm_head.weight`).
+    mla: multi-latent attention (`mla_mappings`) in place of the fused GQA projection.
+    """
+    attn, mlp = f"{_H}self_attn.", f"{_H}mlp."
+    mappings: list[ParamMapping] = [
+        VocabParallelMapping("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        DirectMapping("decoder.final_layernorm.weight", "model.norm.weight"),
+        *(mla_mappings() if mla else _gqa_mappings()),
         DirectMapping(f"{_M}pre_mlp_layernorm.weight", f"{_H}post_attention_layernorm.weight"),
         DirectMapping(f"{_M}mlp.linear_fc1.layer_norm_weight",
                       f"{_H}post_attention_layernorm.weight"),
@@ -72,10 +108,12 @@ def llama_like_table(*, qkv_bias: bool, qk_norm: bool, tied: bool) -> MappingTab
 
 def llama_like_table_for(spec: Any, hf_config: Any) -> MappingTable:
     """The table for `spec` (an ArchitectureSpec) and this HF config."""
+    mla = getattr(hf_config, "kv_lora_rank", None) is not None
     return llama_like_table(
         qkv_bias=spec.qkv_bias(hf_config),
-        qk_norm=spec.qk_norm(hf_config),
+        qk_norm=False if mla else spec.qk_norm(hf_config),
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        mla=mla,
     )
 
 
@@ -91,14 +129,17 @@ _EXPERT_NAMES = {
     "Qwen2MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "Glm4MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "DeepseekV3ForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
 # The shared expert's HF module and, where it has one, its sigmoid gate.
 _SHARED_EXPERT_NAMES = {
     "Qwen2MoeForCausalLM": ("mlp.shared_expert.", "mlp.shared_expert_gate.weight"),
     "Glm4MoeForCausalLM": ("mlp.shared_experts.", None),
+    "DeepseekV3ForCausalLM": ("mlp.shared_experts.", None),
 }
 # The sigmoid router's fixed expert bias (Megatron's `expert_bias` buffer).
-_EXPERT_BIAS_NAMES = {"Glm4MoeForCausalLM": "mlp.gate.e_score_correction_bias"}
+_EXPERT_BIAS_NAMES = {"Glm4MoeForCausalLM": "mlp.gate.e_score_correction_bias",
+                      "DeepseekV3ForCausalLM": "mlp.gate.e_score_correction_bias"}
 
 
 @dataclass(frozen=True)

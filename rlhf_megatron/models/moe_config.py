@@ -22,7 +22,7 @@ Refused with a one-line ConfigError naming the field: router_jitter_noise > 0 (M
 multiplies the expert inputs too; Megatron's moe_input_jitter_eps only the router input),
 Qwen2-MoE's shared experts are handled by `shared_expert_kwargs`.
 
-GLM-4.5 (Glm4MoeForCausalLM; the same router as DeepSeek-V3):
+GLM-4.5 (Glm4MoeForCausalLM) and DeepSeek-V3 (DeepseekV3ForCausalLM), the same router:
 - sigmoid scores; `e_score_correction_bias` is added for the choice of experts only -> score
   function "sigmoid" with `moe_router_enable_expert_bias` (Megatron's `expert_bias` buffer). The
   bias is the checkpoint's and stays fixed, as in HF: Megatron's auxiliary-loss-free update of it
@@ -48,7 +48,9 @@ from typing import Any
 from rlhf_megatron.errors import ConfigError, LayoutError
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                     "Glm4MoeForCausalLM")
+                     "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+# The families routed by sigmoid scores with an expert bias (`_sigmoid_router_shape`).
+SIGMOID_ROUTER_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def moe_shape(hf_config: Any) -> MoeShape:
     topk = int(hf_config.num_experts_per_tok)
     if not 0 < topk <= experts:
         raise ConfigError(f"num_experts_per_tok={topk} must be in [1, {experts}]")
-    if arch == "Glm4MoeForCausalLM":
+    if arch in SIGMOID_ROUTER_ARCHITECTURES:
         return _sigmoid_router_shape(hf_config, experts, topk)
     if arch == "MixtralForCausalLM":
         jitter = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
@@ -137,7 +139,7 @@ def moe_shape(hf_config: Any) -> MoeShape:
 
 
 def _sigmoid_router_shape(hf_config: Any, experts: int, topk: int) -> MoeShape:
-    """GLM-4.5's (and DeepSeek-V3's) router and layer pattern; see the module docstring."""
+    """GLM-4.5's and DeepSeek-V3's router and layer pattern; see the module docstring."""
     num_layers = hf_config.num_hidden_layers
     first_dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
     if not 0 <= first_dense < num_layers:

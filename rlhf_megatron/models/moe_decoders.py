@@ -67,3 +67,29 @@ GLM4_MOE = ARCHITECTURES.register(
                      qk_layernorm=lambda cfg: bool(cfg.use_qk_norm),
                      check_config=_check_glm4_moe, mapping_table=moe_table_for)
 )
+
+
+def _check_deepseek_v3(cfg: Any) -> None:
+    """DeepSeek-V3 (and Kimi-K2, the same architecture): MLA, the sigmoid router."""
+    _check_llama_like(cfg)
+    _check_moe(cfg)
+    require(not getattr(cfg, "attention_bias", False),
+            "attention_bias=True is unsupported for DeepseekV3ForCausalLM (Megatron's MLA "
+            "projections have no biases)")
+    require(getattr(cfg, "scoring_func", "sigmoid") == "sigmoid",
+            f"scoring_func={getattr(cfg, 'scoring_func', None)!r} is unsupported (sigmoid only)")
+    require(getattr(cfg, "topk_method", "noaux_tc") == "noaux_tc",
+            f"topk_method={getattr(cfg, 'topk_method', None)!r} is unsupported (noaux_tc only: "
+            "the expert bias decides the choice)")
+    # HF builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, Megatron with the
+    # model's rms_norm_eps.
+    require(float(cfg.rms_norm_eps) == 1e-6,
+            f"rms_norm_eps={cfg.rms_norm_eps} is unsupported for DeepseekV3ForCausalLM: its "
+            "latent norms use eps 1e-6, Megatron uses rms_norm_eps for them too")
+
+
+DEEPSEEK_V3 = ARCHITECTURES.register(
+    ArchitectureSpec("DeepseekV3ForCausalLM", qkv_bias=lambda cfg: False,
+                     qk_layernorm=lambda cfg: True,  # MLA's q_a / kv_a latent norms
+                     check_config=_check_deepseek_v3, mapping_table=moe_table_for)
+)

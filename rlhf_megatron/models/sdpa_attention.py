@@ -148,6 +148,8 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.utils import is_layer_window_attention
@@ -171,10 +173,12 @@ class SDPAttention(MegatronModule):
             self.cp_group = parallel_state.get_context_parallel_group()
         self.cp_size = config.context_parallel_size
         tp = self.tp_group.size()
-        head_dim = config.kv_channels
+        # Multi-latent attention gives Q/K and V different head sizes (k_channels, v_channels).
+        head_dim = k_channels or config.kv_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
-        self.hidden_size_per_partition = self.num_attention_heads_per_partition * head_dim
+        self.hidden_size_per_partition = (
+            self.num_attention_heads_per_partition * (v_channels or config.kv_channels))
         self.softmax_scale = (
             1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         )

@@ -229,12 +229,13 @@ class CpuShim:
 CPU_SHIMS: tuple[CpuShim, ...] = (
     CpuShim(
         name="current_device",
-        why="torch.cuda.current_device() (or 'cuda') is used as the device of RoPE frequencies, "
+        why="torch.cuda.current_device() (or 'cuda') is used as the device of RoPE (and YaRN) frequencies, "
         "the default causal mask, the attention GlobalMemoryBuffer, TP gather buffers, the DDP "
         "grad buffers, the pipeline p2p shape buffers and a sigmoid router's expert-bias buffers",
         modules=(
             "megatron.core.transformer.moe.router",
             "megatron.core.models.common.embeddings.rotary_pos_embedding",
+            "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
             "megatron.core.utils",
             "megatron.core.transformer.dot_product_attention",
             "megatron.core.transformer.attention",

@@ -84,7 +84,7 @@ MOE_REPLAY = Cases(("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"), (Layout(pp=2),
 # MoE logits against HF, gradients against TP1/PP1/EP1, and which experts each rank reads, at
 # every layout of 4 ranks with TP, PP and EP (test_moe_parity).
 MOE_PARITY = Cases(
-    ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"),
+    ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"),
     (Layout(), Layout(ep=2), Layout(tp=2), Layout(pp=2), Layout(pp=2, ep=2), Layout(tp=2, ep=2)),
     ranks=4,
 )

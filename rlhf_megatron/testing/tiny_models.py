@@ -17,7 +17,7 @@ TINY_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 # Mixture-of-experts families (4 experts, top-2): their HF modules hold fused expert tensors in
 # memory while checkpoints store them per expert, so they are kept apart from the dense list.
 TINY_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
-                          "Glm4MoeForCausalLM")
+                          "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 _CORPUS_WORDS = (
     "the quick brown fox jumps over the lazy dog while a model learns to add numbers "
@@ -66,6 +66,7 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "MixtralForCausalLM": transformers.MixtralConfig,
         "Glm4MoeForCausalLM": transformers.Glm4MoeConfig,
+        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
     }
     if architecture not in config_classes:
         raise ValueError(f"no tiny config for {architecture!r}; known: {sorted(config_classes)}")
@@ -94,6 +95,14 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
                       n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                       norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
                       attention_bias=True)
+    # DeepSeek-V3: GLM's router settings, with multi-latent attention (low-rank q and kv, a
+    # decoupled RoPE key shared by the heads, interleaved RoPE dims) in place of GQA.
+    if architecture == "DeepseekV3ForCausalLM":
+        fields.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                      norm_topk_prob=True, first_k_dense_replace=1, num_key_value_heads=4,
+                      q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                      v_head_dim=32, head_dim=32, rope_interleave=True)
     fields.update(overrides)
     return config_classes[architecture](**fields)
 

@@ -19,11 +19,13 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
     return tensors
 
 
-# (architecture, dtype, MoE layers of the tiny model): GLM-4.5's layer 0 is dense, and its
-# router's expert bias stays fp32 in a bf16 checkpoint (HF keeps it so).
+# (architecture, dtype, MoE layers of the tiny model): GLM-4.5's and DeepSeek-V3's layer 0 is
+# dense, and their router's expert bias stays fp32 in a bf16 checkpoint (HF keeps it so);
+# DeepSeek-V3's attention is multi-latent (models/mapping_tables.py `mla_mappings`).
 @pytest.mark.parametrize("architecture,dtype,moe_layers", [
     ("Qwen3MoeForCausalLM", torch.bfloat16, 4), ("MixtralForCausalLM", torch.float32, 4),
-    ("Glm4MoeForCausalLM", torch.bfloat16, 3), ("Glm4MoeForCausalLM", torch.float32, 3)])
+    ("Glm4MoeForCausalLM", torch.bfloat16, 3), ("Glm4MoeForCausalLM", torch.float32, 3),
+    ("DeepseekV3ForCausalLM", torch.bfloat16, 3), ("DeepseekV3ForCausalLM", torch.float32, 3)])
 def test_moe_round_trip_is_bit_exact_and_verifies(tmp_path, capsys, architecture, dtype,
                                                   moe_layers):
     hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", architecture, dtype=dtype)

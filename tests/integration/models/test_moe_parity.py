@@ -1,6 +1,7 @@
-"""Tiny Qwen3-MoE and Mixtral (4 experts, top-2, GQA, head_dim 32) and GLM-4.5 (8 experts in 2
-groups, sigmoid router with expert bias and scaling, shared expert, partial RoPE) on Megatron at
-every MoE layout.
+"""Tiny Qwen3-MoE and Mixtral (4 experts, top-2, GQA, head_dim 32), GLM-4.5 (8 experts in 2
+groups, sigmoid router with expert bias and scaling, shared expert, partial RoPE) and DeepSeek-V3
+(the same router with multi-latent attention; with and without YaRN) on Megatron at every MoE
+layout.
 
 One 4-rank gloo job walks the architectures and the layouts EP1 (reference), EP2, TP2, PP2 and
 EP2xPP2 (plus TP2xEP2): each layout loads the HF checkpoint directly (each rank reads only its own
@@ -166,9 +167,19 @@ def _tp_shard(full: torch.Tensor, like: torch.Tensor, name: str, tp: int, rank: 
     return full.chunk(tp)[rank]  # vocab-parallel embedding / output layer
 
 
+# DeepSeek-V3's YaRN RoPE (its own config uses factor 40 over 4096 positions; here 4 over 64):
+# every frequency band is rescaled and the softmax gets mscale(factor, mscale_all_dim)^2, so a
+# translation that dropped YaRN or mscale_all_dim moves the TP1 logits by ~1.5 (measured).
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0}
+
+
 @pytest.mark.multirank
 def test_moe_logits_grads_and_expert_reads_at_every_layout(tmp_path):
     dirs = [str(write_tiny_hf_checkpoint(tmp_path / arch, arch)) for arch in MOE_PARITY.architectures]
+    dirs.append(str(write_tiny_hf_checkpoint(tmp_path / "deepseek_v3_yarn", "DeepseekV3ForCausalLM",
+                                             rope_parameters=YARN)))
     per_rank = run_on_ranks(_run_all, WORLD_SIZE, (dirs,), timeout_s=600)
     for arch_dir in dirs:
         reference = per_rank[0][(arch_dir, MOE_PARITY.layouts[0].name)]["grads"]

@@ -77,7 +77,8 @@ def test_megatron_router_equals_hf_router(norm_topk_prob):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_expert_mappings_round_trip_sequential_and_grouped(arch, tp):
     # One MoE layer of 4 experts for every family (GLM-4.5's tiny model has 8, after a dense one).
-    glm = {"first_k_dense_replace": 0, "n_routed_experts": 4} if arch.startswith("Glm4") else {}
+    glm = ({"first_k_dense_replace": 0, "n_routed_experts": 4}
+           if arch.startswith(("Glm4", "DeepseekV3")) else {})
     cfg = tiny_hf_config(arch, vocab_size=300, num_layers=1, **glm)
     table = ARCHITECTURES.for_hf_config(cfg).mapping_table_for(cfg)
     block, gate, up, down = (("block_sparse_moe", "w1", "w3", "w2") if arch.startswith("Mixtral")
