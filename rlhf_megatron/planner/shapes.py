@@ -50,13 +50,25 @@ class ModelShape:
     """The shared expert's FFN size; 0 when none."""
     shared_expert_gate: bool = True
     """Whether the shared expert has a (1, hidden) sigmoid gate (Qwen2-MoE; GLM-4.5 has none)."""
+    kv_lora_rank: int = 0
+    """Multi-latent attention's kv latent width (DeepSeek-V3); 0 for GQA. With it: q_lora_rank
+    (0 = a full-rank q projection), the per-head nope / rope / value widths."""
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelShape:
         spec = ARCHITECTURES.for_hf_config(hf)
         heads = hf.num_attention_heads
         moe = _moe_fields(hf)
-        return cls(**moe,
+        mla = {}
+        if getattr(hf, "kv_lora_rank", None):
+            mla = {"kv_lora_rank": hf.kv_lora_rank, "q_lora_rank": hf.q_lora_rank or 0,
+                   "qk_nope_dim": hf.qk_nope_head_dim, "qk_rope_dim": hf.qk_rope_head_dim,
+                   "v_head_dim": hf.v_head_dim}
+        return cls(**moe, **mla,
             architecture=spec.hf_architecture,
             hidden=hf.hidden_size,
             layers=hf.num_hidden_layers,
@@ -90,11 +102,14 @@ class ModelShape:
         local experts whose SwiGLU FFNs are split over TP (expert-TP = TP), and the shared expert
         with its gate if any; dense layers a SwiGLU FFN of `ffn`.
         """
-        qkv_out = self.q_width + 2 * self.kv_width
-        sharded = self.hidden * qkv_out + self.q_width * self.hidden
-        replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        if self.qkv_bias:
-            sharded += qkv_out
+        if self.kv_lora_rank:
+            sharded, replicated = self._mla_params()
+        else:
+            qkv_out = self.q_width + 2 * self.kv_width
+            sharded = self.hidden * qkv_out + self.q_width * self.hidden
+            replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+            if self.qkv_bias:
+                sharded += qkv_out
         if layer is not None and self.is_sparse(layer):
             replicated += self.experts * self.hidden
             experts = self.experts // ep * 3 * self.hidden * self.expert_ffn // tp
@@ -103,6 +118,25 @@ class ModelShape:
                 replicated += self.hidden if self.shared_expert_gate else 0
             return sharded // tp + experts + replicated
         return (sharded + 3 * self.hidden * self.ffn) // tp + replicated
+
+    def mla_down_params(self) -> int:
+        """One MLA layer's q and kv down-projections (hidden x latent widths)."""
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim)
+
+    def _mla_params(self) -> tuple[int, int]:
+        """(TP-sharded, whole) attention parameters and norms of one MLA layer, as Megatron builds
+        them with TE (the GPU layout): the up-projections and the output projection split over
+        TP by heads; the down-projections duplicated on every TP rank, like the two latent norms.
+        (Without TE, Megatron's local spec splits the down-projections over TP instead:
+        tests/integration/planner/test_planner_param_count.py counts that difference.)"""
+        q_head = self.qk_nope_dim + self.qk_rope_dim
+        q_in = self.q_lora_rank or self.hidden
+        sharded = (q_in * self.heads * q_head
+                   + self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim)
+                   + self.heads * self.v_head_dim * self.hidden)
+        whole = (2 * self.hidden + self.q_lora_rank + self.kv_lora_rank
+                 + self.mla_down_params())
+        return sharded, whole
 
     def total_params(self) -> int:
         """Parameters of the HF model (unpadded vocabulary; a tied output counted once)."""

@@ -55,6 +55,25 @@ def test_total_params_match_the_public_checkpoints(name, total):
     assert _shape(name).total_params() == total
 
 
+# Published sizes (the model cards: total / activated, without the multi-token-prediction layer
+# that DeepSeek-V3's 685 B on disk adds): the planner's MLA and sigmoid-router counts land on them.
+@pytest.mark.parametrize("name,total_b,active_b", [
+    ("deepseek-v3", 671, 37), ("kimi-k2", 1026, 32), ("glm-4.5", 353, 33), ("glm-4.5-air", 107, 13)])
+def test_moe_totals_match_the_published_sizes(name, total_b, active_b):
+    shape = _shape(name)
+    assert round(shape.total_params() / 1e9) == total_b
+    assert int(shape.active_params() / 1e9) == active_b
+
+
+def test_mla_layer_counts_its_latent_projections():
+    shape = _shape("deepseek-v3")
+    sharded, whole = shape._mla_params()
+    # q: 1536 -> 128 x (128 + 64); kv: 512 -> 128 x (128 + 128); o: 128 x 128 -> 7168.
+    assert sharded == 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert whole == 2 * 7168 + 1536 + 512 + 7168 * (1536 + 512 + 64)
+    assert shape.layer_params(tp=2) - shape.layer_params(tp=1) == -(sharded + 3 * 7168 * 18432) // 2
+
+
 def test_stage_params_split_embedding_head_and_layers():
     shape = _shape("llama3.1-70b")
     first, middle, last = (stage_params(shape, tp=8, pp=4, stage=s) for s in (0, 1, 3))
