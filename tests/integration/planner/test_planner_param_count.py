@@ -27,10 +27,21 @@ CASES = [
     ("configs/glm-4.5-air_grpo_8x8.yaml", "actor"),  # sigmoid router, ungated shared expert
     ("configs/glm-4.5_grpo_16x8_h200.yaml", "actor"),  # 3 dense layers first, q/k norm, PP 4
 ]
+# DeepSeek-V3 (multi-latent attention) has no run config (docs/MOE.md): its shapes on the GLM-4.5-Air
+# config's 32 actor GPUs at TP 8 x EP 4 (PP 1: 61 layers).
+MLA_CASE = ("configs/glm-4.5-air_grpo_8x8.yaml", "actor",
+            ("model.config_json=configs/models/deepseek-v3/config.json",
+             "actor.layout={tp: 8, pp: 1, dp: 4, ep: 4}"))
 
 
-def _count_stage(config: str, role: str, last: bool) -> tuple[int, int]:
-    """(built, planned) parameters of one rank of the first or the last pipeline stage."""
+def _count_stage(config: str, role: str, last: bool, overrides: tuple[str, ...] = ()
+                 ) -> tuple[int, int]:
+    """(built, planned) parameters of one rank of the first or the last pipeline stage.
+
+    For multi-latent attention the planner counts the TE layout (the down-projections whole on
+    every TP rank) and this CPU build is the local spec (them split over TP): `planned` is given
+    for the local spec, the planner's figure less (tp - 1) / tp of each MLA layer's down
+    projections."""
     import os
 
     import torch
@@ -44,7 +55,7 @@ def _count_stage(config: str, role: str, last: bool) -> tuple[int, int]:
     from rlhf_megatron.planner import ModelShape, stage_params
 
     os.chdir(REPO)
-    cfg = load_config(config)
+    cfg = load_config(config, list(overrides))
     layout = getattr(cfg, role).layout
     dims = layout.dims()
     hf = model_hf_config(cfg, check_paths=False)
@@ -76,16 +87,20 @@ def _count_stage(config: str, role: str, last: bool) -> tuple[int, int]:
     finally:
         dist.destroy_process_group()
     stage = layout.pp - 1 if last else 0
-    planned = stage_params(ModelShape.from_hf(hf), tp=layout.tp, pp=layout.pp, stage=stage,
+    shape = ModelShape.from_hf(hf)
+    planned = stage_params(shape, tp=layout.tp, pp=layout.pp, stage=stage,
                            value_head=role == "critic", ep=layout.ep, vpp=layout.vpp).total
+    if shape.kv_lora_rank:
+        layers = shape.layers // layout.pp
+        planned -= layers * shape.mla_down_params() * (layout.tp - 1) // layout.tp
     return built, planned
 
 
 def _count_all() -> list[tuple[str, str, bool, int, int]]:
     results = []
-    for config, role in CASES:
+    for config, role, *overrides in [*CASES, MLA_CASE]:
         for last in (False, True):
-            built, planned = _count_stage(config, role, last)
+            built, planned = _count_stage(config, role, last, *overrides)
             results.append((config, role, last, built, planned))
     return results
 
