@@ -56,3 +56,20 @@ def train_step(engine: Any, batch: Any) -> None:
 
     old = engine.compute_logprobs(batch)["logprobs"]
     engine.update_policy(batch.with_fields(old_logprobs=old), PolicyUpdateSettings())
+
+
+def trained_actor(hf_dir: str, layout: Any, batch: Any, lr: float = 2.0) -> tuple[Any, Any]:
+    """An ActorEngine on `hf_dir` at `layout` (its process groups made here) after one SGD update
+    on `batch`, and its log-probs of `batch` from before the update: the refit tests' start."""
+    import torch.distributed as dist
+
+    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
+    from rlhf_megatron.parallel import initialize_layout
+
+    dims = layout.dims(dist.get_world_size())
+    initialize_layout(dims)
+    config = EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=lr))
+    actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
+    before = actor.compute_logprobs(batch)["logprobs"]
+    train_step(actor, batch)
+    return actor, before

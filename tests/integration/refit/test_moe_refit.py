@@ -23,7 +23,7 @@ from rlhf_megatron.testing.rollout_service import (
     connect_rollout,
     refit_batch,
     serve_rollout,
-    train_step,
+    trained_actor,
 )
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -31,8 +31,7 @@ from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 def _moe_refit_job(hf_dir: str, port: int) -> dict:
     import torch.distributed as dist
 
-    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.parallel import destroy_layout, initialize_layout
+    from rlhf_megatron.parallel import destroy_layout
     from rlhf_megatron.refit import SharedMemoryTransport, is_stage_sender, refit_rollout
     from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
@@ -40,12 +39,7 @@ def _moe_refit_job(hf_dir: str, port: int) -> dict:
     batch = refit_batch()
     out = {}
     for version, layout in enumerate(MOE_REFIT.layouts, start=1):
-        dims = layout.dims(dist.get_world_size())
-        initialize_layout(dims)
-        config = EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=2.0))
-        actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
-        before = actor.compute_logprobs(batch)["logprobs"]
-        train_step(actor, batch)
+        actor, before = trained_actor(hf_dir, layout, batch)
         transport = SharedMemoryTransport()
         refit_rollout(actor, rollout if is_stage_sender() else None, transport, version=version)
         trainer_lp = actor.compute_logprobs(batch)["logprobs"]
