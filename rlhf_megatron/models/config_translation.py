@@ -242,7 +242,10 @@ def hf_to_megatron_args(
     _check_sliding_window(hf_config, max_sequence_length)
     rope = _rope_parameters(hf_config)
     mla = _mla_kwargs(hf_config, rope) if uses_mla(hf_config) else {}
-    use_te = platform.is_cuda and transformer_engine_available()
+    # Multi-latent attention keeps the local spec (SDPA core attention) on GPU too: Megatron's TE
+    # spec duplicates MLA's down-projections on every TP rank, which neither the mapping table
+    # (column-parallel down-projections) nor models/mla_layers.py's TP gradient fix covers yet.
+    use_te = platform.is_cuda and transformer_engine_available() and not mla
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                  "recompute_num_layers": 1} if recompute_activations else {}
     config = (MLATransformerConfig if mla else TransformerConfig)(

@@ -124,18 +124,16 @@ class ModelShape:
         return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim)
 
     def _mla_params(self) -> tuple[int, int]:
-        """(TP-sharded, whole) attention parameters and norms of one MLA layer, as Megatron builds
-        them with TE (the GPU layout): the up-projections and the output projection split over
-        TP by heads; the down-projections duplicated on every TP rank, like the two latent norms.
-        (Without TE, Megatron's local spec splits the down-projections over TP instead:
-        tests/integration/planner/test_planner_param_count.py counts that difference.)"""
+        """(TP-sharded, whole) attention parameters and norms of one MLA layer, as Megatron's local
+        spec builds them (MLA runs on it on GPU too: models/config_translation.py): the down-,
+        up- and output projections split over TP (the down-projections by output rows, gathered
+        before their norms), the two latent norms whole on every rank."""
         q_head = self.qk_nope_dim + self.qk_rope_dim
         q_in = self.q_lora_rank or self.hidden
         sharded = (q_in * self.heads * q_head
                    + self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim)
-                   + self.heads * self.v_head_dim * self.hidden)
-        whole = (2 * self.hidden + self.q_lora_rank + self.kv_lora_rank
-                 + self.mla_down_params())
+                   + self.heads * self.v_head_dim * self.hidden + self.mla_down_params())
+        whole = 2 * self.hidden + self.q_lora_rank + self.kv_lora_rank
         return sharded, whole
 
     def total_params(self) -> int:

@@ -68,9 +68,11 @@ def test_moe_totals_match_the_published_sizes(name, total_b, active_b):
 def test_mla_layer_counts_its_latent_projections():
     shape = _shape("deepseek-v3")
     sharded, whole = shape._mla_params()
-    # q: 1536 -> 128 x (128 + 64); kv: 512 -> 128 x (128 + 128); o: 128 x 128 -> 7168.
-    assert sharded == 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
-    assert whole == 2 * 7168 + 1536 + 512 + 7168 * (1536 + 512 + 64)
+    # q: 1536 -> 128 x (128 + 64); kv: 512 -> 128 x (128 + 128); o: 128 x 128 -> 7168; the down
+    # projections 7168 -> 1536 and 7168 -> 512 + 64. Whole on every TP rank: the four norms.
+    assert sharded == (1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
+                       + 7168 * (1536 + 512 + 64))
+    assert whole == 2 * 7168 + 1536 + 512
     assert shape.layer_params(tp=2) - shape.layer_params(tp=1) == -(sharded + 3 * 7168 * 18432) // 2
 
 

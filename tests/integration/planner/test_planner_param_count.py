@@ -36,12 +36,7 @@ MLA_CASE = ("configs/glm-4.5-air_grpo_8x8.yaml", "actor",
 
 def _count_stage(config: str, role: str, last: bool, overrides: tuple[str, ...] = ()
                  ) -> tuple[int, int]:
-    """(built, planned) parameters of one rank of the first or the last pipeline stage.
-
-    For multi-latent attention the planner counts the TE layout (the down-projections whole on
-    every TP rank) and this CPU build is the local spec (them split over TP): `planned` is given
-    for the local spec, the planner's figure less (tp - 1) / tp of each MLA layer's down
-    projections."""
+    """(built, planned) parameters of one rank of the first or the last pipeline stage."""
     import os
 
     import torch
@@ -87,12 +82,8 @@ def _count_stage(config: str, role: str, last: bool, overrides: tuple[str, ...] 
     finally:
         dist.destroy_process_group()
     stage = layout.pp - 1 if last else 0
-    shape = ModelShape.from_hf(hf)
-    planned = stage_params(shape, tp=layout.tp, pp=layout.pp, stage=stage,
+    planned = stage_params(ModelShape.from_hf(hf), tp=layout.tp, pp=layout.pp, stage=stage,
                            value_head=role == "critic", ep=layout.ep, vpp=layout.vpp).total
-    if shape.kv_lora_rank:
-        layers = shape.layers // layout.pp
-        planned -= layers * shape.mla_down_params() * (layout.tp - 1) // layout.tp
     return built, planned
 
 

@@ -139,6 +139,36 @@ def test_glm4_moe_refusals(field, value, match):
         ARCHITECTURES.for_hf_config(cfg)
 
 
+def test_deepseek_v3_translation():
+    """Multi-latent attention fields and YaRN (models/config_translation.py `_mla_kwargs`)."""
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "rope_theta": 10000.0}
+    cfg = tiny_hf_config("DeepseekV3ForCausalLM", vocab_size=300, rope_parameters=yarn)
+    config = _args(cfg).transformer_config
+    assert config.multi_latent_attention and config.qk_layernorm
+    assert (config.q_lora_rank, config.kv_lora_rank) == (64, 32)
+    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (32, 32, 32)
+    assert config.rope_type == "yarn" and config.rotary_scaling_factor == 40.0
+    assert config.original_max_position_embeddings == 4096 and config.mscale_all_dim == 1.0
+    assert config.moe_router_score_function == "sigmoid" and config.moe_layer_freq == [0, 1, 1, 1]
+    plain = _args(tiny_hf_config("DeepseekV3ForCausalLM", vocab_size=300)).transformer_config
+    assert plain.rope_type == "rope" and plain.rotary_base == 10000.0
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rope_interleave", False, "rope_interleave=False"),
+    ("attention_bias", True, "attention_bias=True"),
+    ("scoring_func", "softmax", "scoring_func='softmax'"),
+    ("topk_method", "greedy", "topk_method='greedy'"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps=1e-05"),
+])
+def test_deepseek_v3_refusals(field, value, match):
+    cfg = tiny_hf_config("DeepseekV3ForCausalLM", vocab_size=300, **{field: value})
+    with pytest.raises(ConfigError, match=match):
+        _args(cfg)
+
+
 def test_partial_rotary_must_rotate_an_even_number_of_dimensions():
     cfg = tiny_hf_config("Glm4MoeForCausalLM", vocab_size=300)
     cfg.rope_parameters["partial_rotary_factor"] = 0.3  # 9.6 of 32 dimensions
