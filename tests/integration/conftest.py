@@ -119,9 +119,12 @@ FILE_SECONDS = {
 # Files whose multi-rank jobs oversubscribe the 2 cores so much that two of them side by side
 # each take ~10x as long: in session 9's fresh-clone CI the layout-parity module's setup took
 # 730 s and the convert CLI round trip 714 s, running at once on the two xdist workers (57-70 s
-# and ~51 s each beside lighter files). Across the workers they run one at a time: the second
-# waits at its module's start for the first to end.
-ONE_AT_A_TIME = {"test_layout_parity.py", "test_convert_cli.py"}
+# and ~51 s each beside lighter files); in session 12's, the two other 4-rank jobs, MoE parity
+# and context parallelism, took 238 s and 209 s side by side (35-86 s and ~27 s otherwise).
+# Across the workers they run one at a time: the second waits at its module's start for the
+# first to end.
+ONE_AT_A_TIME = {"test_layout_parity.py", "test_convert_cli.py", "test_moe_parity.py",
+                 "test_context_parallel.py"}
 
 
 @pytest.fixture(scope="module", autouse=True)
