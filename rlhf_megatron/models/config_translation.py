@@ -19,7 +19,7 @@ from rlhf_megatron.models.moe_config import (
     moe_transformer_kwargs,
     validate_moe_layout,
 )
-from rlhf_megatron.models.registry import ArchitectureSpec
+from rlhf_megatron.models.registry import ArchitectureSpec, uses_mla
 from rlhf_megatron.parallel.dims import ParallelDims
 from rlhf_megatron.platform import Platform, current_platform, transformer_engine_available
 
@@ -151,11 +151,6 @@ _YARN_FIELDS = {"factor": "rotary_scaling_factor",
                 "original_max_position_embeddings": "original_max_position_embeddings",
                 "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
                 "mscale_all_dim": "mscale_all_dim"}
-
-
-def uses_mla(hf_config: Any) -> bool:
-    """Whether the config describes multi-latent attention (it has a kv_lora_rank)."""
-    return getattr(hf_config, "kv_lora_rank", None) is not None
 
 
 def _mla_kwargs(hf_config: Any, rope: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from rlhf_megatron.models.param_mapping import (
     ShardContext,
     VocabParallelMapping,
 )
+from rlhf_megatron.models.registry import uses_mla
 
 _M = "decoder.layers.*."  # Megatron layer prefix (global layer index)
 _H = "model.layers.*."  # HF layer prefix
@@ -108,7 +109,7 @@ def llama_like_table(*, qkv_bias: bool, qk_norm: bool, tied: bool,
 
 def llama_like_table_for(spec: Any, hf_config: Any) -> MappingTable:
     """The table for `spec` (an ArchitectureSpec) and this HF config."""
-    mla = getattr(hf_config, "kv_lora_rank", None) is not None
+    mla = uses_mla(hf_config)
     return llama_like_table(
         qkv_bias=spec.qkv_bias(hf_config),
         qk_norm=False if mla else spec.qk_norm(hf_config),

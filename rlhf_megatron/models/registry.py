@@ -87,6 +87,11 @@ class ArchitectureRegistry:
 ARCHITECTURES = ArchitectureRegistry()
 
 
+def uses_mla(hf_config: Any) -> bool:
+    """Whether the config describes multi-latent attention (it has a kv_lora_rank: DeepSeek-V3)."""
+    return getattr(hf_config, "kv_lora_rank", None) is not None
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless `condition` holds (for `check_config` functions)."""
     if not condition:

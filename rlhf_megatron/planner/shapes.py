@@ -19,6 +19,7 @@ from rlhf_megatron.engines.critic import SEQUENCE_CLASSIFICATION_BASES
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models import ARCHITECTURES, head_dim_of, pad_vocab_size
 from rlhf_megatron.models.moe_config import is_moe_config, moe_shape
+from rlhf_megatron.models.registry import uses_mla
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class ModelShape:
         heads = hf.num_attention_heads
         moe = _moe_fields(hf)
         mla = {}
-        if getattr(hf, "kv_lora_rank", None):
+        if uses_mla(hf):
             mla = {"kv_lora_rank": hf.kv_lora_rank, "q_lora_rank": hf.q_lora_rank or 0,
                    "qk_nope_dim": hf.qk_nope_head_dim, "qk_rope_dim": hf.qk_rope_head_dim,
                    "v_head_dim": hf.v_head_dim}
