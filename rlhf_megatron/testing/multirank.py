@@ -5,7 +5,9 @@
 Each rank is a fresh `spawn` process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT set, OMP_NUM_THREADS=1 (ranks share the cores), and the default process group already
 initialised. A failure on any rank is re-raised here with that rank's traceback; a rank that hangs
-or dies is reported after `timeout_s`, never waited on forever.
+or dies is reported, never waited on forever. `timeout_s` counts from the moment that rank has
+started (imports and process group done), so a loaded machine's slow spawn does not eat a rank's
+budget; start-up itself is bounded by START_UP_LIMIT_S.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlhf_megatron.platform.net import free_port
+
+# A spawn imports torch (and megatron, in most callers) and joins a gloo rendezvous. On a 2-core
+# machine running 4-rank jobs alongside, that has taken 45 s; this bounds a rendezvous that hangs.
+START_UP_LIMIT_S = 300.0
 
 
 class RankFailure(RuntimeError):
@@ -50,6 +56,7 @@ def _rank_main(
 
         if init_distributed:
             initialize_distributed(timeout_minutes=5)
+        results.put((rank, "started", None))
         value = fn(*args)
         # Plain pickle copies tensor bytes; the queue's own pickler would share them through
         # file descriptors that vanish when this process exits before the parent reads them.
@@ -94,13 +101,17 @@ def run_on_ranks(
     for proc in procs:
         proc.start()
     outcomes: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    spawned = time.monotonic()
+    started: dict[int, float] = {}
     try:
         while len(outcomes) < world_size:
             try:
                 rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                _check_dead_or_late(procs, outcomes, deadline, timeout_s)
+                _check_dead_or_late(procs, outcomes, started, spawned, timeout_s)
+                continue
+            if status == "started":
+                started[rank] = time.monotonic()
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
@@ -111,16 +122,21 @@ def run_on_ranks(
 
 
 def _check_dead_or_late(
-    procs: list[Any], outcomes: dict[int, Any], deadline: float, timeout_s: float
+    procs: list[Any], outcomes: dict[int, Any], started: dict[int, float], spawned: float,
+    timeout_s: float,
 ) -> None:
     for rank, proc in enumerate(procs):
         if rank not in outcomes and proc.exitcode is not None:
             # Give a dying rank's queued traceback a moment to arrive before blaming the exit.
             time.sleep(0.5)
             raise RankFailure(f"rank {rank} exited with code {proc.exitcode} without a result")
-    if time.monotonic() > deadline:
-        missing = [rank for rank in range(len(procs)) if rank not in outcomes]
-        raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+    now = time.monotonic()
+    unstarted = [r for r in range(len(procs)) if r not in started and r not in outcomes]
+    if unstarted and now - spawned > START_UP_LIMIT_S:
+        raise RankFailure(f"ranks {unstarted} did not start within {START_UP_LIMIT_S:.0f} s")
+    late = [r for r, at in sorted(started.items()) if r not in outcomes and now - at > timeout_s]
+    if late:
+        raise RankFailure(f"ranks {late} did not finish within {timeout_s:.0f} s")
 
 
 def _stop(procs: list[Any]) -> None:

@@ -56,7 +56,7 @@ def test_a_hanging_rank_times_out_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 15 s"):
         run_on_ranks(_rank_zero_hangs, 2, timeout_s=15)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 120  # 15 s after start-up, however slow the spawn
 
 
 def test_a_rank_that_dies_is_reported():
