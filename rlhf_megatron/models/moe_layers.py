@@ -146,6 +146,20 @@ class RlhfMoELayer(MoELayer):
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
                 padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        try:
+            return self._forward(hidden_states, intermediate_tensors, padding_mask)
+        finally:
+            # The dispatcher keeps this forward's routing probabilities (it reads only their
+            # dtype later, in the same forward). Kept with their autograd graph, they close a
+            # cycle through C++ autograd nodes (graph -> router weight's AccumulateGrad -> DDP's
+            # hook -> the model -> the dispatcher) that Python's collector cannot see: every
+            # MoE model, its process groups and their gloo threads then lived for the process.
+            dispatcher = self.token_dispatcher
+            if isinstance(getattr(dispatcher, "probs", None), torch.Tensor):
+                dispatcher.probs = dispatcher.probs.detach()
+
+    def _forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any,
+                 padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         guarded = self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel
         if not guarded or intermediate_tensors is not None or self.moe_layer_recompute:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
