@@ -156,7 +156,12 @@ def forward_activation_bytes(shape: ModelShape, *, tokens: float, tp: int,
 
 def kv_cache_bytes_per_token(shape: ModelShape, *, tp: int, kv_bytes: int) -> float:
     """KV cache per token on one rollout GPU. With tp > kv_heads vLLM replicates KV heads, so
-    each GPU keeps at least one."""
+    each GPU keeps at least one. Multi-latent attention caches one latent per token and layer
+    instead, the compressed kv (kv_lora_rank) and the shared RoPE key (qk_rope_head_dim), whole on
+    every TP rank (vLLM's MLA backends: one KV head of kv_lora_rank + qk_rope_head_dim, 576 for
+    DeepSeek-V3)."""
+    if shape.kv_lora_rank:
+        return shape.layers * (shape.kv_lora_rank + shape.qk_rope_dim) * kv_bytes
     kv_heads_per_gpu = max(1, shape.kv_heads // tp)
     return 2 * shape.layers * kv_heads_per_gpu * shape.head_dim * kv_bytes
 

@@ -133,6 +133,15 @@ def test_kv_cache_per_token_is_sharded_then_replicated():
     assert kv_cache_bytes_per_token(shape, tp=16, kv_bytes=2) == 2 * 80 * 1 * 128 * 2
 
 
+def test_mla_caches_one_latent_per_token_and_layer_whole_on_every_tp_rank():
+    # DeepSeek-V3: 61 layers x (kv_lora 512 + rope 64) bf16 = 70,272 B a token at any TP; the
+    # per-head K and V formula gave 1,748,992 B / tp (218,624 B at TP8, 3.1x too much).
+    shape = _shape("deepseek-v3")
+    assert (shape.kv_lora_rank, shape.qk_rope_dim, shape.layers) == (512, 64, 61)
+    for tp in (1, 8, 16):
+        assert kv_cache_bytes_per_token(shape, tp=tp, kv_bytes=2) == 61 * 576 * 2
+
+
 # ---------------------------------------------------------------- verdicts
 def test_shipped_config_fits_with_a_table_of_every_role():
     report = _plan(LLAMA70, EIGHT_NODES)
