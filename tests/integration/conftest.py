@@ -67,7 +67,8 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
     "test_engine_state.py": "engine save/load at several layouts (~65 s)",
     "test_layout_parity.py":
         "5 models x 5 layouts, vs TP1/PP1 and vs HF load/export, one 4-rank job (~70 s)",
-    "test_moe_parity.py": "MoE layouts with EP, one 4-rank job (~33 s)",
+    "test_moe_parity.py": "MoE layouts with EP, one 4-rank job (~40 s)",
+    "test_lora_parity.py": "LoRA vs HF + peft at DP2, TP2, PP2, one 2-rank job (~30 s)",
     "test_context_parallel.py": "CP layouts, one 4-rank job (~30-40 s)",
     "test_cpu_shims.py": "each CPU shim needed and neutral: many 1- and 2-rank jobs",
     "test_conversion_memory.py": "a 196 MB checkpoint converted, peak memory per phase",
@@ -107,7 +108,7 @@ FILE_SECONDS = {
     "test_off_policy_modes.py": 80,
     "test_convert_cli.py": 64, "test_slurm_launch.py": 62, "test_layout_parity.py": 70,
     "test_actor_engine.py": 49, "test_async_rollout.py": 47,
-    "test_moe_parity.py": 46, "test_dapo_e2e.py": 60, "test_moe_refit.py": 41,
+    "test_moe_parity.py": 46, "test_lora_parity.py": 35, "test_dapo_e2e.py": 60, "test_moe_refit.py": 41,
     "test_engine_state.py": 40, "test_multirank_harness.py": 37,
     "test_context_parallel.py": 33, "test_rope_scaling_parity.py": 32,
     "test_train_from_checkpoint.py": 31, "test_verify_bf16_checkpoint.py": 28,
