@@ -60,7 +60,14 @@ def validate_rl_config(cfg: TrainConfig, *, check_paths: bool = True) -> DeviceP
     check_sections(cfg, sections, _check_model_fits, check_paths=check_paths)
     _check_batches(cfg)
     _check_drift_alarm(cfg)
+    _check_lora(cfg)
     return plan_devices(cfg)
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    for role, engine in _engines(cfg)[1:]:
+        if engine.lora is not None:
+            raise ConfigError(f"{role}.engine.lora: LoRA is for the actor only (actor.engine.lora)")
 
 
 def check_sections(cfg: TrainConfig, sections: list[tuple[str, Callable[[], None]]],

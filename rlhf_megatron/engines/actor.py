@@ -147,6 +147,12 @@ class ActorEngine(ReferenceEngine):
                 raise ConfigError("actor.engine.routing_replay does not support "
                                   "recompute_activations (the recomputed forward would not replay)")
 
+    def adapters_off(self) -> AdaptersOffReference:
+        """The reference policy of a LoRA actor: this engine with its adapters switched off."""
+        if self.config.lora is None:
+            raise ConfigError("adapters_off needs actor.engine.lora")
+        return AdaptersOffReference(self)
+
     def _routing_pass(self, *, replay: bool) -> Any:
         """An MoE model's routing bookkeeping for one pass (None for a dense model)."""
         if not self.is_moe:
@@ -292,3 +298,19 @@ class ActorEngine(ReferenceEngine):
         for mask in masks:
             local = local + compute_loss_normalizer(mask)
         return LossNormalizer.from_tensor(self.all_reduce_dp(local.to_tensor()))
+
+
+class AdaptersOffReference:
+    """A LoRA actor's base model as a reference engine: the same chunks with every adapter's
+    delta left out (models/lora.py), so no second copy of the weights is built. Its log-probs
+    are the frozen base model's, bit for bit (tests/integration/engines/test_lora_engine.py)."""
+
+    def __init__(self, actor: ActorEngine) -> None:
+        self.actor = actor
+
+    def compute_logprobs(self, batch: TokenBatch, *, with_entropy: bool = False
+                         ) -> dict[str, torch.Tensor]:
+        from rlhf_megatron.models.lora import adapters_disabled
+
+        with adapters_disabled(self.actor.chunks):
+            return ReferenceEngine.compute_logprobs(self.actor, batch, with_entropy=with_entropy)

@@ -111,6 +111,7 @@ class MegatronEngine:
             max_sequence_length=config.max_sequence_length,
             recompute_activations=config.recompute_activations,
             cp_comm_type=config.cp_comm_type,
+            local_spec=config.lora is not None,
         )
         self.vocab_size = self.args.vocab_size
         # Actor and reference read the last stage's hidden states out in chunks of tokens
@@ -154,11 +155,20 @@ class MegatronEngine:
 
         chunks = build_model_chunks(self.args)
         if self.from_dist_checkpoint:
+            self._apply_lora(chunks)  # a LoRA run's checkpoint holds the adapters
             self.chunks = chunks
             load_model_weights(self, self.hf_dir)
         else:
             load_hf_into_model(chunks, self.hf_dir, self.args)
+            self._apply_lora(chunks)
         return self._to_device(chunks)
+
+    def _apply_lora(self, chunks: list[Any]) -> None:
+        if self.config.lora is None or not self.trainable:
+            return
+        from rlhf_megatron.models.lora import apply_lora
+
+        apply_lora(chunks, self.config.lora, seed=self.config.seed)
 
     def _to_device(self, chunks: list[Any]) -> list[Any]:
         from megatron.core.transformer.module import Float16Module
@@ -495,8 +505,13 @@ class MegatronEngine:
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """`named_parameters` plus the buffers a mapping table names (a sigmoid router's expert
-        bias): what an export or a refit sends."""
-        return self._named(mapped_tensors)
+        bias): what an export or a refit sends. With LoRA, each adapted weight merged with its
+        adapters (base + scale * B A) and the adapters themselves left out."""
+        if self.config.lora is None:
+            return self._named(mapped_tensors)
+        from rlhf_megatron.models.lora import merged_tensors
+
+        return self._named(lambda module: merged_tensors(module, mapped_tensors(module)))
 
     def _named(self, tensors: Any) -> list[tuple[str, torch.Tensor]]:
         from rlhf_megatron.models.moe_layers import expert_offset_of

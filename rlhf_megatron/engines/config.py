@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.lora_settings import LoraSettings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -112,6 +113,11 @@ class EngineConfig:
     chunk's (tokens, vocab / tp) logits, in the forward or the backward. A micro-batch with at
     most this many positions (per CP rank) takes the unchunked path unchanged. 0: always the
     unchunked path (the whole micro-batch's logits)."""
+    lora: LoraSettings | None = None
+    """Actor only: train LoRA adapters (models/lora.py) instead of the whole model: the base is
+    frozen, only the adapters have gradients and optimizer state, the reference policy is the
+    actor with its adapters off (no reference engine), and exports and refits send the merged
+    weights. Unset: full fine-tuning."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -135,3 +141,5 @@ class EngineConfig:
         if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
             raise ConfigError(f"engine.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
         self.optimizer.validate()
+        if self.lora is not None:
+            self.lora.validate()

@@ -214,8 +214,12 @@ def hf_to_megatron_args(
     vocab_divisor: int = DEFAULT_VOCAB_DIVISOR,
     platform: Platform | None = None,
     cp_comm_type: str = "p2p",
+    local_spec: bool = False,
 ) -> MegatronModelArgs:
     """Translate an HF decoder config into Megatron's config for layout `dims`.
+
+    local_spec: keep Megatron's local (non-TE) layer spec even where TE is usable (LoRA: the
+    adapters read a linear's input, which TE's fused norm+linear layers take un-normalised).
 
     cp_comm_type: how TE attention exchanges K/V when dims.cp > 1 (EngineConfig.cp_comm_type).
     """
@@ -240,7 +244,7 @@ def hf_to_megatron_args(
     # Multi-latent attention keeps the local spec (SDPA core attention) on GPU too: Megatron's TE
     # spec duplicates MLA's down-projections on every TP rank, which neither the mapping table
     # (column-parallel down-projections) nor models/mla_layers.py's TP gradient fix covers yet.
-    use_te = platform.is_cuda and transformer_engine_available() and not mla
+    use_te = platform.is_cuda and transformer_engine_available() and not mla and not local_spec
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                  "recompute_num_layers": 1} if recompute_activations else {}
     config = (MLATransformerConfig if mla else TransformerConfig)(

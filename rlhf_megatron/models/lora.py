@@ -33,7 +33,6 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,42 +44,11 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.lora_settings import LoraSettings
 from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
-
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""The decoder linears an adapter can go on (Megatron names; HF: q/k/v_proj, o_proj,
-gate/up_proj, down_proj)."""
 
 _PARENTS = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
             "linear_fc1": "mlp", "linear_fc2": "mlp"}
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int = 8
-    """r: the adapters' inner width."""
-    alpha: float = 16.0
-    """The update is scaled by alpha / rank."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input (training only; the base path has none)."""
-    target_modules: tuple[str, ...] = LORA_TARGETS
-    """Which of linear_qkv, linear_proj, linear_fc1, linear_fc2 get adapters."""
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def validate(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"lora.rank={self.rank} must be >= 1")
-        if not self.alpha > 0:
-            raise ConfigError(f"lora.alpha={self.alpha} must be > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
-        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
-        if unknown or not self.target_modules:
-            raise ConfigError(f"lora.target_modules={list(self.target_modules)}: expected a "
-                              f"non-empty subset of {list(LORA_TARGETS)}")
 
 
 class LoraBranch(torch.nn.Module):
@@ -109,6 +77,14 @@ class LoraBranch(torch.nn.Module):
         if self.column:
             return {f"b.{name}": 0 for name in self.parts}
         return {f"a.{name}": 1 for name in self.parts}
+
+    def weight_delta(self) -> torch.Tensor:
+        """scale * B A as the base weight's shard on this rank: what merging adds to it."""
+        deltas = [self.b[name] @ self.a[name] for name in self.parts]
+        if len(deltas) > 1:
+            grouped = [delta.unflatten(0, (self.groups, -1)) for delta in deltas]
+            deltas = [torch.cat(grouped, dim=1).flatten(0, 1)]
+        return self.scale * deltas[0]
 
     def delta(self, x: torch.Tensor, tp_group: Any) -> torch.Tensor:
         """scale * B A dropout(x), laid out as the base layer's output on this rank."""
@@ -237,6 +213,24 @@ def _adapt(layer: Any, kind: str, global_name: str, config: Any, settings: LoraS
             param.copy_(local.to(param.dtype))
     layer.lora = branch
     layer.__class__ = _with_lora(type(layer))
+
+
+def merged_tensors(module: Any, named: Iterable[tuple[str, torch.Tensor]]
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """`named` (local name, tensor) of `module` with each adapted linear's weight replaced by
+    weight + scale * B A and the adapter tensors left out: what an export or a merged refit
+    sends, under the base model's names. Unchanged when the module has no adapters."""
+    out = []
+    for name, tensor in named:
+        owner, _, leaf = name.rpartition(".")
+        if ".lora." in f".{name}":
+            continue
+        layer = module.get_submodule(owner) if owner else module
+        if leaf == "weight" and isinstance(layer, _LoraLinear):
+            with torch.no_grad():
+                tensor = tensor + layer.lora.weight_delta().to(tensor.dtype)
+        out.append((name, tensor))
+    return out
 
 
 def lora_branches(chunks: list[Any]) -> list[LoraBranch]:

@@ -71,13 +71,16 @@ class SwiGLUMLP(MLP):
         )
 
     def _split_fc1_possible(self) -> bool:
-        """fc1 is one plain x W^T (TP=1, no bias, see lean_linear) and the activation is SiLU."""
+        """fc1 is one plain x W^T (TP=1, no bias, see lean_linear, no LoRA adapter switched on)
+        and the activation is SiLU."""
         fc1 = self.linear_fc1
+        adapter = getattr(fc1, "lora", None)  # models/lora.py: this path reads fc1.weight only
         return (
             self.config.activation_func is F.silu
             and isinstance(fc1, LeanColumnParallelLinear)
             and fc1.bias is None
             and plain_path_possible(fc1)
+            and not (adapter is not None and adapter.enabled)
         )
 
     def _swiglu_from_weight_halves(self, hidden_states: Tensor) -> Tensor:

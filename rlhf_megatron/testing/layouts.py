@@ -91,6 +91,9 @@ MOE_PARITY = Cases(
 # LoRA adapters against HF + peft on 2 ranks: DP2, TP2 and PP2, on a GQA model whose query groups
 # hold 3 heads (test_lora_parity).
 LORA = Cases(("LlamaForCausalLM",), (Layout(), Layout(tp=2), Layout(pp=2)), ranks=2)
+LORA_SHAPE = {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,
+              "hidden_size": 192, "intermediate_size": 256}
+"""The tiny model of the LoRA cases (write_tiny_hf_checkpoint overrides): 3 heads a group."""
 # Context parallelism against CP1 on 4 ranks: CP2 alone, with TP2 and with PP2
 # (test_context_parallel: log-probs, entropy, values, updates, refit senders, checkpoints).
 CONTEXT_PARALLEL = Cases(

@@ -72,9 +72,13 @@ class MegatronWorker:
         from rlhf_megatron.engines.critic import CriticEngine, RewardModelEngine
 
         if spec.role == "actor":
-            if spec.with_reference:
+            lora = spec.engine.lora is not None
+            if spec.with_reference and not lora:
                 self.reference = ReferenceEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
-            return ActorEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
+            actor = ActorEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
+            if spec.with_reference and lora:  # the base model: the actor, adapters off
+                self.reference = actor.adapters_off()
+            return actor
         if spec.role == "critic":
             return CriticEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
         if spec.role == "reward_model":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_megatron.testing.layouts import LORA
+from rlhf_megatron.testing.layouts import LORA, LORA_SHAPE
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -26,8 +26,6 @@ RANK, ALPHA, SEED = 4, 8.0, 3
 GLOBAL_BATCH, SEQ_LEN, MICRO_BATCH = 4, 16, 1
 LOGIT_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-6  # of the reference gradient's norm
-SHAPE = {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32, "hidden_size": 192,
-         "intermediate_size": 256}
 # (Megatron linear, adapter part) -> the HF module peft adapts.
 HF_MODULES = {
     ("linear_qkv", "q"): "self_attn.q_proj", ("linear_qkv", "k"): "self_attn.k_proj",
@@ -217,7 +215,7 @@ def _run_all(hf_dir: str, reference_path: str) -> dict:
 @pytest.mark.multirank
 def test_lora_matches_peft_at_every_layout(tmp_path):
     (architecture,) = LORA.architectures
-    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", architecture, **SHAPE))
+    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", architecture, **LORA_SHAPE))
     reference = _reference(hf_dir)
     torch.save(reference, tmp_path / "reference.pt")
     per_rank = run_on_ranks(_run_all, LORA.ranks, (hf_dir, str(tmp_path / "reference.pt")),

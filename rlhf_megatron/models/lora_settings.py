@@ -1,0 +1,40 @@
+"""LoRA settings (`actor.engine.lora`), apart from models/lora.py so that the config schema
+imports no Megatron."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_megatron.errors import ConfigError
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The decoder linears an adapter can go on (Megatron names; HF: q/k/v_proj, o_proj,
+gate/up_proj, down_proj)."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 8
+    """r: the adapters' inner width."""
+    alpha: float = 16.0
+    """The update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only; the base path has none)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """Which of linear_qkv, linear_proj, linear_fc1, linear_fc2 get adapters."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"lora.rank={self.rank} must be >= 1")
+        if not self.alpha > 0:
+            raise ConfigError(f"lora.alpha={self.alpha} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown or not self.target_modules:
+            raise ConfigError(f"lora.target_modules={list(self.target_modules)}: expected a "
+                              f"non-empty subset of {list(LORA_TARGETS)}")
