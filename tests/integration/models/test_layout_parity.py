@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_megatron.testing.batches import next_token_nll, random_token_rows
 from rlhf_megatron.testing.layouts import PARITY, Layout
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -54,13 +55,8 @@ def _build(hf_dir: str, layout: Layout):
 
 
 def _batch(vocab_size: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(7)
-    return torch.randint(3, vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+    return random_token_rows(vocab_size, GLOBAL_BATCH, SEQ_LEN, seed=7)
 
-
-def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    logprobs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
-    return -logprobs.gather(-1, targets.unsqueeze(-1)).mean()
 
 
 def _reference(hf_dir: str):
@@ -73,7 +69,7 @@ def _reference(hf_dir: str):
     tokens, targets = data[:, :-1], data[:, 1:]
     positions = torch.arange(SEQ_LEN).expand(GLOBAL_BATCH, -1)
     logits = model(tokens, positions, None)
-    _next_token_loss(logits, targets, hf_config.vocab_size).backward()
+    next_token_nll(logits, targets, hf_config.vocab_size).backward()
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     destroy_layout()
@@ -145,7 +141,7 @@ def _check_against_tp1_pp1(hf_dir: str, layout: Layout, weights, ref_grads, ref_
         def loss_func(logits):
             full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
             logits_seen.append(full.detach()[..., : hf_config.vocab_size])
-            return _next_token_loss(full, targets, hf_config.vocab_size), {}
+            return next_token_nll(full, targets, hf_config.vocab_size), {}
 
         return output, loss_func
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_megatron.testing.batches import next_token_nll, random_token_rows
 from rlhf_megatron.testing.layouts import LORA, LORA_SHAPE
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -37,13 +38,8 @@ COLUMN = {"linear_qkv", "linear_fc1"}
 
 
 def _batch(vocab_size: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(5)
-    return torch.randint(3, vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+    return random_token_rows(vocab_size, GLOBAL_BATCH, SEQ_LEN, seed=5)
 
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    logprobs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
-    return -logprobs.gather(-1, targets.unsqueeze(-1)).mean()
 
 
 def _megatron_name(layer: int, kind: str, part: str, matrix: str) -> str:
@@ -85,7 +81,7 @@ def _reference(hf_dir: str) -> dict:
                     adapters[_megatron_name(layer, kind, part, matrix)] = param.detach().clone()
     tokens = _batch(model.config.vocab_size)
     logits = model(tokens[:, :-1]).logits
-    _loss(logits, tokens[:, 1:], model.config.vocab_size).backward()
+    next_token_nll(logits, tokens[:, 1:], model.config.vocab_size).backward()
     grads = {_megatron_name(layer, kind, part, matrix):
              params[_peft_name(layer, kind, part, matrix)].grad.clone()
              for layer in range(layers) for kind, part in HF_MODULES for matrix in ("a", "b")}
@@ -171,7 +167,7 @@ def _check_layout(hf_dir: str, layout, reference: dict) -> dict:
             def loss_func(logits):
                 full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
                 seen.append(full.detach()[..., :vocab])
-                return _loss(full, targets, vocab), {}
+                return next_token_nll(full, targets, vocab), {}
 
             return output, loss_func
 

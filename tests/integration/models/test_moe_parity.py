@@ -21,6 +21,7 @@ import re
 import pytest
 import torch
 
+from rlhf_megatron.testing.batches import next_token_nll, random_token_rows
 from rlhf_megatron.testing.layouts import MOE_PARITY
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -34,13 +35,8 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def _batch(vocab_size: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(7)
-    return torch.randint(3, vocab_size, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+    return random_token_rows(vocab_size, GLOBAL_BATCH, SEQ_LEN, seed=7)
 
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    logprobs = torch.log_softmax(logits[..., :vocab_size].float(), dim=-1)
-    return -logprobs.gather(-1, targets.unsqueeze(-1)).mean()
 
 
 class _RecordingCheckpoint:
@@ -110,7 +106,7 @@ def _check_layout(hf_dir: str, tp: int, pp: int, ep: int, hf_logits: torch.Tenso
         def loss_func(logits):
             full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
             logits_seen.append(full.detach()[..., :hf_config.vocab_size])
-            return _loss(full, targets, hf_config.vocab_size), {}
+            return next_token_nll(full, targets, hf_config.vocab_size), {}
 
         return output, loss_func
 
