@@ -37,7 +37,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -228,7 +232,10 @@ def merged_tensors(module: Any, named: Iterable[tuple[str, torch.Tensor]]
         layer = module.get_submodule(owner) if owner else module
         if leaf == "weight" and isinstance(layer, _LoraLinear):
             with torch.no_grad():
-                tensor = tensor + layer.lora.weight_delta().to(tensor.dtype)
+                merged = tensor + layer.lora.weight_delta().to(tensor.dtype)
+            # The refit sizes its buckets and TP gathers by these (tensor_model_parallel, ...).
+            copy_tensor_model_parallel_attributes(merged, tensor)
+            tensor = merged
         out.append((name, tensor))
     return out
 

@@ -59,10 +59,11 @@ def _make_transport(kind: str, port: int):
     return BroadcastTransport("127.0.0.1", port + 1 + stage)
 
 
-def _refit_job(hf_dir: str, port: int, kind: str) -> dict:
+def _refit_job(hf_dir: str, port: int, kind: str, lora: bool) -> dict:
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
+    from rlhf_megatron.models.lora_settings import LoraSettings
     from rlhf_megatron.parallel import destroy_layout, initialize_layout
     from rlhf_megatron.refit import is_stage_sender, iter_hf_tensors, refit_rollout
     from rlhf_megatron.rollout import SamplingSettings
@@ -74,7 +75,8 @@ def _refit_job(hf_dir: str, port: int, kind: str) -> dict:
     for layout in REFIT.layouts:
         dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
-        config = EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=2.0))
+        config = EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=2.0),
+                              lora=LoraSettings(rank=4, alpha=8.0) if lora else None)
         actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
         train_step(actor, batch)
         transport = _make_transport(kind, port + 10 * version)
@@ -118,17 +120,21 @@ def _hf_greedy(hf_dir: str, state: dict[str, torch.Tensor]) -> list[list[int]]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "tied,kind", [(False, "shared_memory"), (True, "shared_memory"), (False, "broadcast")],
-    ids=["untied-shm", "tied-shm", "untied-broadcast"],
+    "tied,kind,lora",
+    [(False, "shared_memory", False), (True, "shared_memory", False),
+     (False, "broadcast", False), (False, "shared_memory", True)],
+    ids=["untied-shm", "tied-shm", "untied-broadcast", "lora-shm"],
 )
-def test_refit_into_vllm_matches_the_actor(tmp_path, tied, kind):
+def test_refit_into_vllm_matches_the_actor(tmp_path, tied, kind, lora):
+    """lora: a LoRA actor (actor.engine.lora) refits its merged weights (docs/LORA.md)."""
     hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", REFIT.architectures[0],
                                           tie_word_embeddings=tied))
     port = find_free_port()
     server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 2))
     server.start()
     try:
-        per_rank = run_on_ranks(_refit_job, REFIT.ranks, (hf_dir, port, kind), timeout_s=900)
+        per_rank = run_on_ranks(_refit_job, REFIT.ranks, (hf_dir, port, kind, lora),
+                                timeout_s=900)
     finally:
         server.join(timeout=60)
         if server.is_alive():
@@ -136,7 +142,7 @@ def test_refit_into_vllm_matches_the_actor(tmp_path, tied, kind):
     for step, (layout, result) in enumerate(per_rank[0].items()):
         assert result["weight_version"] == 2 * step + 1
         assert result["diff"]["rollout/logprob_diff_max"] < 1e-4, (layout, result["diff"])
-        assert result["dropped_diff"]["rollout/logprob_diff_max"] > 1e-3, layout
+        assert result["dropped_diff"]["rollout/logprob_diff_max"] > 1e-3, (layout, result)
         state = {**per_rank[0][layout]["exported"], **per_rank[1][layout]["exported"]}
         assert result["greedy"] == _hf_greedy(hf_dir, state), layout
         stats = [rank[layout]["stats"] for rank in per_rank]
