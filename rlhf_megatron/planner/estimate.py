@@ -15,6 +15,7 @@ the same time; its pool fits when its phases fit. Colocated (hybrid) phases foll
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rlhf_megatron.config.schema import TrainConfig
 from rlhf_megatron.models import pad_vocab_size
@@ -36,7 +37,12 @@ from rlhf_megatron.planner.memory import (
     train_dtype_bytes,
     training_activation_bytes,
 )
-from rlhf_megatron.planner.shapes import ModelShape, stage_params
+from rlhf_megatron.planner.shapes import (
+    ModelShape,
+    lora_stage_params,
+    stage_layer_indices,
+    stage_params,
+)
 
 # Fixed costs per GPU, from what such processes typically hold (docs/PLANNER.md):
 TRAINER_PROCESS_GIB = 2.5
@@ -115,6 +121,8 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
                                        optimizer_shards=max(1, shards // layout.ep))
             state = type(state)(state.weights + expert.weights, state.grads + expert.grads,
                                 state.optimizer + expert.optimizer)
+        if trainable and engine.lora is not None:
+            state = _lora_state(shape, engine, layout, stage, params.total, shards)
         if distributed and opt.cpu_offload:  # master weights + moments live on the host
             state = type(state)(state.weights, state.grads, 0.0)
         forward = forward_activation_bytes(
@@ -135,6 +143,19 @@ def megatron_role_memory(cfg: TrainConfig, role: MegatronRole, *, name: str,
             worst = memory
     assert worst is not None
     return worst
+
+
+def _lora_state(shape: ModelShape, engine: Any, layout: Any, stage: int, base_params: int,
+                shards: int) -> Any:
+    """A LoRA actor's stage: the whole base frozen (weights only), the adapters trained (their
+    weights, grads and optimizer state)."""
+    opt = engine.optimizer
+    layers = stage_layer_indices(shape.layers, layout.pp, stage, layout.vpp)
+    adapters = lora_stage_params(shape, engine.lora, tp=layout.tp, layers=layers)
+    base = model_state_bytes(base_params, dtype=engine.dtype, trainable=False)
+    trained = model_state_bytes(adapters, dtype=engine.dtype, trainable=True, optimizer=opt.name,
+                                sgd_momentum=opt.sgd_momentum, optimizer_shards=shards)
+    return type(base)(base.weights + trained.weights, trained.grads, trained.optimizer)
 
 
 def rollout_memory(cfg: TrainConfig, shape: ModelShape, cluster: Cluster) -> RoleMemory:
@@ -186,7 +207,8 @@ EXTRA_ROLES = tuple(role for role in PLANNED_ROLES if role.phase is not None)
 def role_memories(cfg: TrainConfig, shapes: dict[str, ModelShape],
                   cluster: Cluster) -> dict[str, RoleMemory]:
     built = {role.name: role for role in megatron_roles(cfg, shapes)}
-    present = {"reference": cfg.uses_reference}
+    # A LoRA actor is its own reference (adapters off): no reference engine is built.
+    present = {"reference": cfg.uses_reference and cfg.actor.engine.lora is None}
     memories = {
         role.name: megatron_role_memory(cfg, built[role.engine_of], name=role.name,
                                         trainable=role.trainable)

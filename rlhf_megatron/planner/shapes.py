@@ -237,3 +237,22 @@ def read_shape(config_json: Path) -> ModelShape:
         if names[0] in SEQUENCE_CLASSIFICATION_BASES:
             hf.architectures = [SEQUENCE_CLASSIFICATION_BASES[names[0]]]
     return ModelShape.from_hf(hf)
+
+
+def lora_stage_params(shape: ModelShape, lora: Any, *, tp: int, layers: list[int]) -> int:
+    """Adapter parameters on one rank of a stage holding decoder `layers` (models/lora.py): for
+    each target linear, A [r, in] and B [out, r], the one that the base weight splits over TP
+    split likewise (B of qkv / fc1 by rows, A of proj / fc2 by columns), the other whole. The
+    fused qkv has one adapter per projection (q, k, v), the gated fc1 one for gate and one for up.
+    The MLP adapters sit on dense layers only (MoE experts get none)."""
+    r, h = lora.rank, shape.hidden
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = {"linear_qkv": 3 * r * h + (q + 2 * kv) // tp * r,
+                 "linear_proj": r * (q // tp) + h * r}
+    mlp = {"linear_fc1": 2 * r * h + 2 * (shape.ffn // tp) * r,
+           "linear_fc2": r * (shape.ffn // tp) + h * r}
+    dense = sum(1 for index in layers
+                if not (shape.sparse_layers and shape.sparse_layers[index]))
+    targets = set(lora.target_modules)
+    return (len(layers) * sum(n for name, n in attention.items() if name in targets)
+            + dense * sum(n for name, n in mlp.items() if name in targets))

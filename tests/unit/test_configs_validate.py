@@ -26,6 +26,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 BIG_MODELS = {
     "qwen2.5-32b_grpo_2x8.yaml": Cluster(2, 8, 80),
     "llama3.1-70b_ppo_8x8.yaml": Cluster(8, 8, 80),
+    "llama3.1-70b_grpo_lora_1x8.yaml": Cluster(1, 8, 80),
     "qwen2.5-72b_grpo_8x8.yaml": Cluster(8, 8, 80),
     "verl_gsm8k_qwen2.5-0.5b_1x1.yaml": Cluster(1, 1, 24),  # verl's quickstart: one 24 GB GPU
     "verl_gsm8k_qwen2.5-7b_1x8.yaml": Cluster(1, 8, 80),
@@ -109,3 +110,15 @@ def test_big_model_config_fits_its_cluster(name):
     assert model_hf_config(cfg, check_paths=False) is not None  # the shipped config.json
     report = plan_config(cfg, cluster, suggest=False)
     assert report.fits, "\n".join(report.reasons())
+
+
+def test_the_70b_lora_config_fits_one_node_where_its_full_fine_tune_does_not():
+    """LoRA's point (issue 29): the base frozen, no reference engine. The same config without
+    `actor.engine.lora` needs ~186 GiB per GPU at the refit (planned), with it ~43 GiB."""
+    path = REPO / "configs" / "llama3.1-70b_grpo_lora_1x8.yaml"
+    cluster = BIG_MODELS[path.name]
+    lora = plan_config(load_config(path), cluster, suggest=False)
+    full = plan_config(load_config(path, ["actor.engine.lora=null"]), cluster, suggest=False)
+    assert lora.fits and not full.fits
+    assert "reference" not in lora.roles and "reference" in full.roles
+    assert lora.roles["actor"].grads < full.roles["actor"].grads / 40

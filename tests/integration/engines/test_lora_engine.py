@@ -5,7 +5,9 @@
   the policy's log-probs move away from the reference's;
 - `named_weights` (what an export or a refit sends) holds the base model's names only, with each
   adapted weight merged: loaded into the frozen reference engine, the merged weights give the
-  LoRA actor's log-probs within 1e-5 (fp32).
+  LoRA actor's log-probs within 1e-5 (fp32);
+- the planner's adapter count for each rank's stage (planner/shapes.py lora_stage_params) is the
+  number of adapter parameters the rank holds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def _job(hf_dir: str) -> dict:
     )
     from rlhf_megatron.models.lora_settings import LoraSettings
     from rlhf_megatron.parallel import destroy_layout, initialize_layout
+    from rlhf_megatron.planner.shapes import ModelShape, lora_stage_params, stage_layer_indices
 
     results = {}
     for layout in LAYOUTS:
@@ -70,6 +73,11 @@ def _job(hf_dir: str) -> dict:
             "frozen_trainable": [n for n, p in params.items()
                                  if p.requires_grad and ".lora." not in n],
         }
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        result["adapter_params"] = sum(p.numel() for n, p in params.items() if ".lora." in n)
+        result["planned_adapter_params"] = lora_stage_params(
+            ModelShape.from_hf(actor.hf_config), config.lora, tp=layout.tp,
+            layers=stage_layer_indices(actor.hf_config.num_hidden_layers, layout.pp, stage))
         merged = dict(actor.named_weights())
         reference_params = dict(reference.named_parameters())
         result["names"] = (sorted(merged) == sorted(reference_params))
@@ -94,4 +102,5 @@ def test_lora_actor_reference_updates_and_merged_weights(tmp_path):
             assert r["trainable"] == ["a", "b"] and r["b_norm"] > 0, (layout, r)
             assert r["policy_moved"] > POLICY_MOVES, (layout, r)
             assert r["names"], layout
+            assert r["adapter_params"] == r["planned_adapter_params"] > 0, (layout, r)
             assert r["merged"] < MERGED_TOLERANCE, (layout, r)
