@@ -91,8 +91,10 @@ class LoraBranch(torch.nn.Module):
         return self.scale * deltas[0]
 
     def delta(self, x: torch.Tensor, tp_group: Any) -> torch.Tensor:
-        """scale * B A dropout(x), laid out as the base layer's output on this rank."""
-        x = self.dropout(x)
+        """scale * B A dropout(x), laid out as the base layer's output on this rank. Dropout only
+        in a pass that builds gradients: log-prob passes score the policy vLLM samples from."""
+        if torch.is_grad_enabled():
+            x = self.dropout(x)
         if not self.column:
             (name,) = self.parts
             low = reduce_from_tensor_model_parallel_region(F.linear(x, self.a[name]), tp_group)

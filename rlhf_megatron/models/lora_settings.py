@@ -19,7 +19,8 @@ class LoraSettings:
     alpha: float = 16.0
     """The update is scaled by alpha / rank."""
     dropout: float = 0.0
-    """Dropout on the adapter's input (training only; the base path has none)."""
+    """Dropout on the adapter's input, in passes with gradients only (the base path has none).
+    The default 0 keeps the update's own log-probs those of the sampled policy."""
     target_modules: tuple[str, ...] = LORA_TARGETS
     """Which of linear_qkv, linear_proj, linear_fc1, linear_fc2 get adapters."""
 
