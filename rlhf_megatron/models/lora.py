@@ -41,6 +41,7 @@ from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -217,6 +218,10 @@ def _adapt(layer: Any, kind: str, global_name: str, config: Any, settings: LoraS
             full = _draw(seed, f"{global_name}.lora.a.{part}", (settings.rank, in_full), bound)
             local = full if column else full.chunk(tp, dim=1)[tp_rank]
             param.copy_(local.to(param.dtype))
+    for name, axis in branch.tp_axes().items():
+        # Megatron's grad-norm (clipping) counts a parameter without these once, as a TP
+        # duplicate, although each rank holds a different shard of it.
+        set_tensor_model_parallel_attributes(branch.get_parameter(name), True, axis, 1)
     layer.lora = branch
     layer.__class__ = _with_lora(type(layer))
 
