@@ -2,11 +2,10 @@
 rollout mode; partial rollouts across refits.
 
 Generating now (the sync step, validation): `generate_groups` runs a list of prompts to the end
-at one weight version. Streaming (one_step_off, async): prompts are submitted as groups (one
-prompt, `n` samples), each one vLLM request of `n` samples that streams every sample's tokens
-back (DELTA outputs) into a per-sample record. A completed group goes into a FIFO buffer that the
-trainer drains with `take(count)`. The caller bounds the buffer: `submit` refuses more than
-`capacity` groups in flight plus buffered.
+at one weight version. Streaming (one_step_off, async): prompts are submitted as groups (one prompt, `n` samples); each sample is one vLLM request that
+streams its tokens back (DELTA outputs) into a per-sample record. A completed group goes into a
+FIFO buffer that the trainer drains with `take(count)`. The caller bounds the buffer: `submit`
+refuses more than `capacity` groups in flight plus buffered.
 
 Every token records the weight version that produced it and its behaviour log-prob (vLLM's raw
 log-prob of the sampled token). A refit (refit/ drives it) is three calls:
