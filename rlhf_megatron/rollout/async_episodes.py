@@ -16,7 +16,6 @@ from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.environments.config import EnvironmentConfig
 from rlhf_megatron.environments.loader import load_environment
 from rlhf_megatron.rollout.engine import SampleRecord
-from rlhf_megatron.rollout.engine_setup import prompt_seed
 from rlhf_megatron.rollout.episodes import (
     ChatFormat,
     Episode,
@@ -26,6 +25,7 @@ from rlhf_megatron.rollout.episodes import (
     episode_metrics,
     episodes_to_batch,
 )
+from rlhf_megatron.rollout.engine_setup import prompt_seed
 
 _TURN_SEED_STRIDE = 7919
 

@@ -261,43 +261,34 @@ class RolloutEngine:
             self._cond.notify_all()
 
     async def _generate_group(self, prompt: list[int], sampling: SamplingSettings,
-                              seed: int | None, key: int, *, buffered: bool = True
-                              ) -> list[SampleRecord]:
-        """The group's n samples. `buffered` (a group that goes into the buffer): its records
-        stream token by token (a refit pause freezes them with every token so far recorded) and
-        count in tokens_in_flight until taken. Otherwise (generate_groups, no refit can come in
-        between) vLLM sends each sample once, finished."""
+                              seed: int | None, key: int) -> list[SampleRecord]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         base = None if seed is None else prompt_seed(seed, key)
-        # One request of n samples: vLLM seeds sample j with base + j (the rule prompt_seed
-        # states) and streams each sample's tokens under its index.
-        params = SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0,
-            stop_token_ids=list(sampling.stop_token_ids), seed=base,
-            output_kind=RequestOutputKind.DELTA if buffered else RequestOutputKind.FINAL_ONLY)
-        records = [SampleRecord() for _ in range(sampling.n)]
-        if buffered:
-            with self._cond:
-                self._streaming.extend(records)
-        await self._stream(prompt, params, records)
+        params = [SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=None if base is None else base + j, output_kind=RequestOutputKind.DELTA,
+        ) for j in range(sampling.n)]
+        records = [SampleRecord() for _ in params]
+        with self._cond:
+            self._streaming.extend(records)
+        await asyncio.gather(*(self._stream(prompt, p, r) for p, r in zip(params, records)))
         return records
 
-    async def _stream(self, prompt: list[int], params: Any, records: list[SampleRecord]) -> None:
-        """One request's samples into `records` (sample i: records[i]) as they stream."""
+    async def _stream(self, prompt: list[int], params: Any, record: SampleRecord) -> None:
         request_id = f"rlhf-{uuid.uuid4().hex}"
         async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id):
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
             version = self.weight_version  # read on the loop thread: refits change it here too
-            for completion in out.outputs:
-                record, new = records[completion.index], list(completion.token_ids)
-                record.tokens += new
-                record.logprobs += [float(d[t].logprob)
-                                    for d, t in zip(completion.logprobs, new)]
-                record.versions += [version] * len(new)
-                if completion.finish_reason is not None:
-                    record.finish_reason = str(completion.finish_reason)
+            record.tokens += new
+            record.logprobs += [float(d[t].logprob) for d, t in zip(completion.logprobs, new)]
+            record.versions += [version] * len(new)
+            if out.finished:
+                record.finish_reason = str(completion.finish_reason)
 
     async def generate_turn(self, prompt: list[int], params: Any) -> SampleRecord:
         """One request on the engine's loop (an episode's turn, rollout/async_episodes.py):
@@ -308,7 +299,7 @@ class RolloutEngine:
         with self._cond:
             self._streaming.append(record)
         try:
-            await self._stream(prompt, params, [record])
+            await self._stream(prompt, params, record)
         finally:
             with self._cond:
                 self._streaming = [s for s in self._streaming if s is not record]
@@ -329,7 +320,7 @@ class RolloutEngine:
 
         async def run() -> list[list[SampleRecord]]:
             return await asyncio.gather(*(
-                self._generate_group(list(p), sampling, seed, first_key + i, buffered=False)
+                self._generate_group(list(p), sampling, seed, first_key + i)
                 for i, p in enumerate(prompts)))
 
         version = self.weight_version
@@ -414,10 +405,7 @@ class RolloutEngine:
 
     async def _pause(self, clear_cache: bool) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=clear_cache)
-        with self._cond:  # nothing streaming (the sync step's refit): no output to wait for
-            streaming = any(s.finish_reason is None for s in self._streaming)
-        if streaming:
-            await self._drain_outputs()
+        await self._drain_outputs()
 
     async def _drain_outputs(self, timeout_s: float = 10.0) -> None:
         """Wait until every output the engine sent before the pause reached the records (the

@@ -28,15 +28,10 @@ class RolloutWorker:
                  capacity: int = 64) -> None:
         self.name = name
         self.threads = threads
-        """This worker's share of its pool's cores (workers/threads.py). vLLM's engine process
-        takes all but one of them, fixed when it starts: this process (AsyncLLM's client, which
-        turns every engine step's outputs into records) keeps one busy while the engine
-        generates. On 2 shared cores an engine of 2 threads made the quickstart's generate
-        0.24 s a step against 0.13 s with 1 (docs/BENCHMARKS.md). On split pools the engine
-        generates continuously on its cores; in the hybrid layout it idles (its queue empty)
-        while the trainer has them."""
-        engine_threads = max(1, threads - 1)
-        os.environ["OMP_NUM_THREADS"] = str(engine_threads)  # inherited by vLLM's EngineCore
+        """Intra-op threads of vLLM's engine process, fixed when it starts (workers/threads.py):
+        on split pools it generates continuously on its own cores; in the hybrid layout it idles
+        (its queue empty) while the trainer has the cores."""
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by vLLM's EngineCore process
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # Ray placed us already
         set_threads(threads)
         self.engine = RolloutEngine(hf_dir, config, capacity=capacity)
