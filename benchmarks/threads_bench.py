@@ -4,6 +4,11 @@ behaviour before), for an actor at TP=1 and at TP=2, colocated with one vLLM eng
 
     .venv/bin/python benchmarks/threads_bench.py [--steps 4] [--warmup 1] [--tp 1 2]
         [--threads 1 auto]
+    .venv/bin/python benchmarks/threads_bench.py --generate-only [--repeats 3] [--threads 1 2]
+
+--generate-only times one vLLM engine alone (this process, no Ray, no trainer) generating the
+same 8 x 8 x 128 tokens with each thread count in turn (A B A B ...), to separate vLLM's own
+thread scaling from the trainer's.
 
 The model: a Llama-architecture decoder with random weights, vocabulary 12,000 (EOS is rare, so
 responses run to max_tokens), hidden 256, 2 layers: 7.7M parameters. The quickstart's addition
@@ -72,6 +77,35 @@ def run(assets: Path, run_dir: Path, tp: int, threads: str, steps: int) -> list[
     return [json.loads(line) for line in lines]
 
 
+def generate_only(assets: Path, thread_counts: list[int], repeats: int) -> dict[str, list[float]]:
+    """Seconds per generate call of one in-process vLLM engine, per thread count."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
+    from rlhf_megatron.workers.threads import set_threads
+
+    tokenizer = AutoTokenizer.from_pretrained(str(assets / "model"))
+    rows = [json.loads(line) for line in (assets / "train.jsonl").read_text().splitlines()[:8]]
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    engine = VllmRolloutEngine(str(assets / "model"), RolloutConfig(
+        max_model_len=136, extra_engine_args={"skip_tokenizer_init": True}))
+    sampling = SamplingSettings(n=8, max_tokens=128, seed=1)
+    engine.generate(prompts, sampling)  # warm-up
+    seconds: dict[str, list[float]] = {str(t): [] for t in thread_counts}
+    for _ in range(repeats):
+        for threads in thread_counts:
+            set_threads(threads)
+            start = time.perf_counter()
+            result = engine.generate(prompts, sampling)
+            seconds[str(threads)].append(time.perf_counter() - start)
+            tokens = int(result.batch.loss_mask.sum())
+            print(f"threads {threads}: {seconds[str(threads)][-1]:.3f} s, {tokens} tokens",
+                  flush=True)
+    return seconds
+
+
 def summarise(records: list[dict], warmup: int) -> dict[str, float]:
     timed = [r for r in records if r["step"] > warmup]
     out = {phase: statistics.mean(r[f"time/{phase}"] for r in timed) for phase in PHASES}
@@ -87,8 +121,16 @@ def main() -> int:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--threads", nargs="+", default=["1", "auto"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "threads")
+    parser.add_argument("--generate-only", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     assets = prepare_assets(args.out / "assets")
+    if args.generate_only:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        seconds = generate_only(assets, [int(t) for t in args.threads], args.repeats)
+        print({t: round(statistics.median(s), 3) for t, s in seconds.items()})
+        (args.out / "generate_only.json").write_text(json.dumps(seconds, indent=2))
+        return 0
     results = {}
     for tp in args.tp:
         for threads in args.threads:

@@ -3,8 +3,9 @@
 The phases call these methods (`actor.update_policy(batch, settings)`, `rollout.generate(...)`).
 A facade calls its workers' methods by reference (`self._dp(MegatronWorker.update_policy, batch,
 settings)` runs it on every rank, the batch sharded over DP), so no call site names a method by a
-string. A `submit_*` method starts a DP-sharded call and returns a Pending; `.result()` waits
-for it (so the actor's and the critic's forwards run at once).
+string. The rollout facade names RolloutWorker's methods; AsyncRolloutWorker answers the same ones
+(checked below, when this module is imported). A `submit_*` method starts a DP-sharded call and returns
+a Pending; `.result()` waits for it (so the actor's and the critic's forwards run at once).
 Adding a worker method: define it on the worker class (workers/), add one typed method here that
 calls it, and call that from the phases.
 
@@ -32,7 +33,7 @@ from rlhf_megatron.cluster.worker_group import (
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.rollout import SamplingSettings
-from rlhf_megatron.workers import MegatronWorker, RolloutWorker
+from rlhf_megatron.workers import AsyncRolloutWorker, MegatronWorker, RolloutWorker
 
 T = TypeVar("T")
 
@@ -237,15 +238,14 @@ class RolloutGroup(_Facade):
     def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings) -> Generation:
         """Split the prompts over the engines (contiguous, in order); each engine seeds and
         numbers its prompts from its first prompt's place in `prompts` (the engine owns the
-        per-prompt seed rule, rollout.engine_setup.prompt_seed)."""
+        per-prompt seed rule, rollout.vllm_engine.prompt_seed)."""
         handles, names = self.workers.handles, self.workers.names
         bounds = [round(i * len(prompts) / len(handles)) for i in range(len(handles) + 1)]
         refs, used = [], []
         start = time.perf_counter()
         for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             if hi > lo:
-                refs.append(remote(handles[engine], RolloutWorker.generate,
-                                   list(prompts[lo:hi]), sampling, lo))
+                refs.append(remote(handles[engine], RolloutWorker.generate, list(prompts[lo:hi]), sampling, lo))
                 used.append(names[engine])
         results = wait_all(refs, used, "rollout.generate")
         seconds = time.perf_counter() - start
@@ -266,7 +266,7 @@ class RolloutGroup(_Facade):
         refs, used = [], []
         for engine, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             if hi > lo:
-                refs.append(remote(handles[engine], RolloutWorker.run_episodes,
+                refs.append(remote(handles[engine], AsyncRolloutWorker.run_episodes,
                     list(samples[lo:hi]), env_cfg, sampling, lo))
                 used.append(names[engine])
         results = wait_all(refs, used, "rollout.run_episodes")
@@ -281,3 +281,13 @@ class RolloutGroup(_Facade):
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore `tags` ("weights", "kv_cache"; None: all)."""
         self._each(RolloutWorker.wake_up, tags)
+
+
+# Both rollout workers answer every call the rollout facade and the refit make.
+_ROLLOUT_CALLS = (RolloutWorker.generate, RolloutWorker.sleep,
+                  RolloutWorker.wake_up, RolloutWorker.ping, RolloutWorker.begin_weight_update,
+                  RolloutWorker.load_bucket, RolloutWorker.finish_weight_update,
+                  RolloutWorker.node_ip)
+_MISSING = [m.__name__ for m in _ROLLOUT_CALLS if not callable(getattr(AsyncRolloutWorker,
+                                                                        m.__name__, None))]
+assert not _MISSING, f"AsyncRolloutWorker lacks {_MISSING}"

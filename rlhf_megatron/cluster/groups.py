@@ -22,7 +22,7 @@ from rlhf_megatron.config import DevicePlan, TrainConfig
 from rlhf_megatron.config.roles import megatron_roles
 from rlhf_megatron.config.rollout_mode import buffer_capacity
 from rlhf_megatron.errors import WorkerFailure
-from rlhf_megatron.workers import EngineSpec, MegatronWorker, RolloutWorker
+from rlhf_megatron.workers import AsyncRolloutWorker, EngineSpec, MegatronWorker, RolloutWorker
 
 
 @dataclass
@@ -50,6 +50,14 @@ class RunGroups:
 
 
 _FACADES = {"actor": ActorGroup, "critic": CriticGroup, "reward_model": RewardModelGroup}
+
+
+def rollout_worker_class(cfg: TrainConfig) -> type:
+    """The rollout engines' worker: AsyncLLM (AsyncRolloutWorker) for the off-policy modes and for
+    multi-turn episodes (one request per turn); otherwise the batch engine."""
+    if cfg.trainer.rollout_mode != "sync" or cfg.environment.enabled:
+        return AsyncRolloutWorker
+    return RolloutWorker
 
 
 def _megatron_specs(cfg: TrainConfig) -> dict[str, EngineSpec]:
@@ -111,12 +119,15 @@ def _rollout_workers(cfg: TrainConfig, plan: DevicePlan,
     """The rollout engines' workers, one per engine (rollout.num_engines), each seeded apart."""
     tp = cfg.rollout.engine.tensor_parallel_size
     rollout_config = cfg.rollout.engine
+    rollout_class, extra = rollout_worker_class(cfg), ()
+    if rollout_class is not RolloutWorker:
+        extra = (buffer_capacity(cfg),)
     return WorkerGroup.create(
-        "rollout", RolloutWorker, pools[plan.role_pool["rollout"]],
+        "rollout", rollout_class, pools[plan.role_pool["rollout"]],
         [engine * tp for engine in range(cfg.rollout.num_engines)],
         lambda rank: (f"rollout[{rank}]", cfg.model.path,
                       replace(rollout_config, seed=rollout_config.seed + rank),
-                      worker_threads(cfg, plan, "rollout"), buffer_capacity(cfg)))
+                      worker_threads(cfg, plan, "rollout"), *extra))
 
 
 def _rendezvous_addresses(groups: dict[str, WorkerGroup], roles: list[str],

@@ -22,6 +22,7 @@ from rlhf_megatron.platform import current_platform
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "RAY_DEDUP_LOGS": "0",
     "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
 }

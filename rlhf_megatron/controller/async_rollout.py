@@ -29,8 +29,8 @@ from typing import Any
 from rlhf_megatron.cluster.worker_group import WorkerGroup, remote, wait_all
 from rlhf_megatron.errors import WorkerFailure, say
 from rlhf_megatron.rollout import SamplingSettings
-from rlhf_megatron.rollout.engine import RolloutGroup
-from rlhf_megatron.workers import RolloutWorker
+from rlhf_megatron.rollout.async_engine import RolloutGroup
+from rlhf_megatron.workers import AsyncRolloutWorker
 
 CALL_TIMEOUT_S = 60.0
 """No answer from a rollout engine within this long: it is dead (never a hang)."""
@@ -62,7 +62,7 @@ class _Request:
 
 
 class AsyncRollout:
-    """The run's RolloutWorkers (module docstring). `connect()` reconnects the actor's
+    """The run's AsyncRolloutWorkers (module docstring). `connect()` reconnects the actor's
     refit to `workers.handles` (the live and joining engines); `refit_now()` refits them at the
     current weight version."""
 
@@ -85,14 +85,14 @@ class AsyncRollout:
                seed: int) -> None:
         """Groups of `sampling.n` responses to (key, prompt ids)."""
         args = (sampling, seed)
-        self._send([self._remember(key, RolloutWorker.submit, ids, args)
+        self._send([self._remember(key, AsyncRolloutWorker.submit, ids, args)
                     for key, ids in items])
 
     def submit_episodes(self, items: Sequence[tuple[int, dict]], env_cfg: Any,
                         sampling: SamplingSettings, seed: int) -> None:
         """Groups of `sampling.n` multi-turn episodes of (key, sample)."""
         args = (env_cfg, sampling, seed)
-        self._send([self._remember(key, RolloutWorker.submit_episodes, sample, args)
+        self._send([self._remember(key, AsyncRolloutWorker.submit_episodes, sample, args)
                     for key, sample in items])
 
     def _remember(self, key: int, call: Callable[..., Any], item: Any, args: tuple) -> int:
@@ -123,7 +123,7 @@ class AsyncRollout:
         """Each live engine's {in_flight, buffered, weight_version}, after handling any death."""
         while True:
             live = self._live()
-            results = self._gather([(e, RolloutWorker.counts, ()) for e in live],
+            results = self._gather([(e, AsyncRolloutWorker.counts, ()) for e in live],
                                    "rollout.counts")
             if all(r is not None for r in results):
                 return results
@@ -140,7 +140,7 @@ class AsyncRollout:
             for engine, c in zip(self._live(), counts, strict=True):
                 need = min(count - len(taken), c["buffered"])
                 if need:
-                    got = self._gather([(engine, RolloutWorker.take, (need, 0))],
+                    got = self._gather([(engine, AsyncRolloutWorker.take, (need, 0))],
                                        "rollout.take")[0]
                     for group in got or []:
                         self._requests.pop(group.key, None)
@@ -283,7 +283,7 @@ class AsyncRollout:
         for key in keys:
             del self._owner[key]
         engine.handle = self.workers.respawn(engine.rank, engine.handle)
-        engine.state, engine.started = STARTING, remote(engine.handle, RolloutWorker.ping)
+        engine.state, engine.started = STARTING, remote(engine.handle, AsyncRolloutWorker.ping)
         self._publish()
         self.requeued += len(keys)
         say(f"{exc}; its {len(keys)} groups go to the other engines and a replacement starts "

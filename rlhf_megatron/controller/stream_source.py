@@ -1,6 +1,6 @@
 """StreamSource: the batches of trainer.rollout_mode one_step_off and async (split pools only).
 
-The rollout engines are RolloutWorkers: prompts are submitted as groups and completed
+The rollout engines are AsyncRolloutWorkers: prompts are submitted as groups and completed
 groups wait in each engine's FIFO buffer until the trainer takes them.
 
     start:       submit the first batch
@@ -43,7 +43,7 @@ from rlhf_megatron.rollout.async_batch import (
     groups_to_batch,
     split_by_staleness,
 )
-from rlhf_megatron.rollout.engine import RolloutGroup
+from rlhf_megatron.rollout.async_engine import RolloutGroup
 
 ROLLOUT_TIMEOUT_S = 1800.0
 """Longest wait for a batch's groups while engines are alive and generating."""

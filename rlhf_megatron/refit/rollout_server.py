@@ -18,9 +18,7 @@ AUTHKEY = b"rlhf_megatron-rollout"
 
 
 class RolloutService:
-    """Adapts an engine that loads full tensors in its own process (`load_weights`: the GPU
-    check's HF stand-in) to the refit protocol, receiving the buckets from the transports. A
-    RolloutWorker answers the protocol itself and is served as it is."""
+    """Adapts a VllmRolloutEngine to the refit protocol (receiving buckets from transports)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -43,10 +41,14 @@ class RolloutService:
     def finish_weight_update(self, version: int) -> int:
         return self.engine.finish_weight_update(version)
 
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Anything else the engine offers (generate, score_logprobs, weight_version, ...)."""
+        target = getattr(self.engine, method)
+        return target(*args, **kwargs) if callable(target) else target
 
-def serve(service: Any, listener: Listener, *, clients: int) -> None:
-    """Answer requests to `service` (a RolloutService or a RolloutWorker: the refit protocol
-    and whatever else it offers) until `clients` connections have each sent ("close",)."""
+
+def serve(service: RolloutService, listener: Listener, *, clients: int) -> None:
+    """Answer requests until `clients` connections have each sent ("close",)."""
     lock = threading.Lock()  # one request at a time reaches the engine
 
     def handle(conn: Connection) -> None:
@@ -69,13 +71,10 @@ def serve(service: Any, listener: Listener, *, clients: int) -> None:
         thread.join()
 
 
-def _dispatch(service: Any, method: str, args: tuple, kwargs: dict) -> Any:
-    """The service's method or attribute; for a RolloutService, anything else its engine offers
-    (its log-probs, digests, weight_version, ...)."""
-    owner = service.engine if isinstance(service, RolloutService) and not hasattr(
-        service, method) else service
-    target = getattr(owner, method)
-    return target(*args, **kwargs) if callable(target) else target
+def _dispatch(service: RolloutService, method: str, args: tuple, kwargs: dict) -> Any:
+    if method in ("begin_weight_update", "load_bucket", "finish_weight_update"):
+        return getattr(service, method)(*args, **kwargs)
+    return service.call(method, *args, **kwargs)
 
 
 class _Pending:

@@ -14,25 +14,8 @@ import torch
 
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.data.sampling import sampling_fields
-from rlhf_megatron.rollout.engine import RolloutGroup
-
-
-@dataclass
-class RolloutResult:
-    """Responses to a list of prompts generated now, at one weight version (the sync step's and
-    validation's generate), n per prompt, prompt-major order.
-
-    batch: prompt + response tokens (bs = prompts * n, right-padded); loss_mask marks the
-        response; fields: "rollout_logprobs" (bs, S) aligned with input_ids (vLLM's log-probs of
-        the distribution sampled from, data/sampling.py), "prompt_index" (bs,), and the rows'
-        sampling settings "temperature", "top_p", "top_k" (bs,).
-    finish_reasons: per row, vLLM's "stop" / "length".
-    """
-
-    batch: TokenBatch
-    finish_reasons: list[str]
-    weight_version: int
-
+from rlhf_megatron.rollout.async_engine import RolloutGroup
+from rlhf_megatron.rollout.vllm_engine import RolloutResult
 
 TOKEN_VERSIONS = "token_versions"
 """Batch field (bs, S) int64: the weight version that sampled each response token (-1 elsewhere)."""
@@ -103,8 +86,8 @@ def groups_sampling_fields(groups: Sequence[RolloutGroup]) -> dict[str, torch.Te
 
 def groups_to_result(groups: Sequence[RolloutGroup], weight_version: int,
                      first_prompt: int = 0) -> RolloutResult:
-    """The RolloutResult of groups generated at one version (prompt_index counted from
-    `first_prompt`)."""
+    """The synchronous engine's RolloutResult for groups generated at one version (prompt_index
+    counted from `first_prompt`)."""
     batch = groups_to_batch(groups)
     finish = [s.finish_reason or "length" for g in groups for s in g.samples]
     fields = {k: v for k, v in batch.fields.items() if k != TOKEN_VERSIONS}

@@ -1,6 +1,6 @@
 """Multi-turn episodes on the async engine (issue 15 item 2): the turn generator of the one
 episode runner (rollout/episodes.EpisodeRunner) is one vLLM request per turn on the
-RolloutEngine's event loop. Each episode is its own task there, and each environment step (a
+AsyncRolloutEngine's event loop. Each episode is its own task there, and each environment step (a
 tool call) runs on a thread pool while the loop keeps streaming the other episodes' requests, so
 a slow tool never holds anyone else's generation. An episode whose tool returns submits its next
 turn at once, into the running batch (vLLM's continuous batching).
@@ -15,7 +15,7 @@ from typing import Any
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.environments.config import EnvironmentConfig
 from rlhf_megatron.environments.loader import load_environment
-from rlhf_megatron.rollout.engine import SampleRecord
+from rlhf_megatron.rollout.async_engine import SampleRecord
 from rlhf_megatron.rollout.episodes import (
     ChatFormat,
     Episode,
@@ -25,13 +25,13 @@ from rlhf_megatron.rollout.episodes import (
     episode_metrics,
     episodes_to_batch,
 )
-from rlhf_megatron.rollout.engine_setup import prompt_seed
+from rlhf_megatron.rollout.vllm_engine import prompt_seed
 
 _TURN_SEED_STRIDE = 7919
 
 
 def engine_turns(engine: Any, sampling: Any) -> TurnGenerator:
-    """The TurnGenerator on an RolloutEngine (``engine``) with ``sampling`` (a
+    """The TurnGenerator on an AsyncRolloutEngine (``engine``) with ``sampling`` (a
     SamplingSettings): turn t of the episode numbered i samples from seed + i * 100_003 +
     t * 7919 (unseeded without a seed); vLLM's ids, log-probs and per-token weight versions."""
 
@@ -55,7 +55,7 @@ def engine_turns(engine: Any, sampling: Any) -> TurnGenerator:
 
 def run_episodes(engine: Any, cfg: EnvironmentConfig, samples: Sequence[dict[str, Any]],
                  sampling: Any, first_prompt: int = 0) -> tuple[TokenBatch, dict[str, float]]:
-    """``sampling.n`` episodes per sample on one RolloutEngine (prompt-major order, rows
+    """``sampling.n`` episodes per sample on one AsyncRolloutEngine (prompt-major order, rows
     numbered ``prompt_index = first_prompt + sample``): the batch (episodes_to_batch, whose
     ``scores`` field holds each episode's summed reward) and episode_metrics."""
     import transformers
@@ -87,7 +87,7 @@ class EpisodeGroups:
 
     async def run_group(self, sample: dict[str, Any], sampling: Any,
                         seed: int | None) -> tuple[list[Any], dict[str, float]]:
-        """The group's records (rollout.engine.SampleRecord) and its episode metrics.
+        """The group's records (rollout.async_engine.SampleRecord) and its episode metrics.
         Episode j of the group samples from seed + j * 100_003 + turn * 7919."""
         seeded = dataclasses.replace(sampling, seed=seed)
         runner = EpisodeRunner(self.env_cls, self.cfg, self.chat,

@@ -1,9 +1,9 @@
-"""Methods mixed into vLLM's worker (AsyncLLM `worker_extension_cls`) for the rollout engine.
+"""Methods mixed into vLLM's worker (AsyncLLM `worker_extension_cls`) for the async engine.
 
 AsyncLLM always runs its EngineCore (and the model) in a child process, and tensors do not survive
 `collective_rpc` arguments there. So a bucket crosses the process boundary as a pickled transport
-handle (a shared-memory path + layout, or a CUDA IPC handle): the worker maps the bytes
-and loads them in place.
+handle (a shared-memory path + layout, or a CUDA IPC handle): the worker maps the bytes in place
+and loads them, exactly as the synchronous engine does in its own process.
 """
 
 from __future__ import annotations

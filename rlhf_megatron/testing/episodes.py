@@ -76,7 +76,7 @@ def checked_against_hf(episodes: list, turns: list[tuple[int, list[int]]], tok, 
 
 
 def async_episode_checks(engine, hf_dir: str, env_spec: str, weights: dict) -> dict:
-    """On a running RolloutEngine whose weights are ``weights`` (HF names): 6 three-turn
+    """On a running AsyncRolloutEngine whose weights are ``weights`` (HF names): 6 three-turn
     episodes through the episode runner (one request per turn), episode 0's first tool call sleeping SLOW_SECONDS; the
     facts checked by ``assert_async_episodes``."""
     import transformers

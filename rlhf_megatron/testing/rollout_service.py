@@ -17,21 +17,15 @@ from rlhf_megatron.testing.hf_reference import VLLM_ENV
 
 
 def serve_rollout(hf_dir: str, port: int, clients: int = 1, max_model_len: int = 128) -> None:
-    """Start a RolloutWorker on `hf_dir` (in this process, VLLM_ENV; vLLM's engine in a child)
-    and serve `clients` connections on 127.0.0.1:`port` until they close (the target of a
-    spawned process)."""
+    """Start a VllmRolloutEngine on `hf_dir` (in this process, VLLM_ENV) and serve `clients`
+    connections on 127.0.0.1:`port` until they close (the target of a spawned process)."""
     os.environ.update(VLLM_ENV)
-    from rlhf_megatron.refit.rollout_server import AUTHKEY, serve
-    from rlhf_megatron.rollout import RolloutConfig
-    from rlhf_megatron.workers import RolloutWorker
+    from rlhf_megatron.refit.rollout_server import AUTHKEY, RolloutService, serve
+    from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
 
     with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
-        worker = RolloutWorker("rollout", hf_dir, RolloutConfig(max_model_len=max_model_len,
-                                                                seed=0))
-        try:
-            serve(worker, listener, clients=clients)
-        finally:
-            worker.shutdown()
+        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=max_model_len, seed=0))
+        serve(RolloutService(engine), listener, clients=clients)
 
 
 def connect_rollout(port: int) -> Any:

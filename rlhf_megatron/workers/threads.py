@@ -5,13 +5,13 @@ Every Ray worker starts with OMP_NUM_THREADS=1 (cluster/ray_cluster.py), so impo
 and idle workers never oversubscribe the cores. A method decorated with `on_cores` raises the
 worker's intra-op threads to `self.threads` (set at creation from the pool, see
 ray_cluster.worker_threads) while it runs: in the hybrid layout the phases take turns, so the
-actor's ranks split the shared cores while they compute; with split pools each role only ever has
-its own pool's cores. A rollout worker's vLLM engine process gets its share when it starts
-(workers/rollout_worker.py) and keeps it: it computes only while it has requests.
+actor's ranks split the shared cores while they compute and each vLLM engine takes them while it
+generates; with split pools each role only ever has its own pool's cores.
 
-vLLM's CPU worker replaces `torch.set_num_threads` with a no-op in any process it starts in
+vLLM's CPU worker replaces `torch.set_num_threads` with a no-op when it starts in this process
 (vllm/v1/worker/cpu_worker.py: "CPU backend doesn't allow to use torch.set_num_threads after the
-thread binding"), so the setter is taken from torch._C, which vLLM leaves alone.
+thread binding"); it binds threads only in its multi-process executor, which we do not use
+(VLLM_ENABLE_V1_MULTIPROCESSING=0). So the setter is taken from torch._C, which vLLM leaves alone.
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ def _trained_keys(run_dir: Path) -> dict[int, list[int]]:
 
 
 def _engine_processes(process) -> list[int]:
-    """The pids of vLLM's engine processes, children of the run's RolloutWorkers."""
-    return titled_processes("EngineCore", process.pid, parent_title="ray::RolloutWorker")
+    """The pids of vLLM's engine processes, children of the run's AsyncRolloutWorkers."""
+    return titled_processes("EngineCore", process.pid, parent_title="ray::AsyncRolloutWorker")
 
 
 def _seen(run_dir: Path, **values: float) -> bool:

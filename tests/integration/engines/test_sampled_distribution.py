@@ -75,14 +75,13 @@ def _rollout_job(hf_dir: str) -> dict:
     import transformers
 
     from rlhf_megatron.data.batch import TokenBatch
-    from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
-    from rlhf_megatron.workers import RolloutWorker
+    from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
 
-    worker = RolloutWorker("rollout", hf_dir, RolloutConfig(max_model_len=64, seed=0))
+    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=64, seed=0))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
 
     def sample(settings: list[dict]) -> TokenBatch:
-        parts = [worker.generate(PROMPTS, SamplingSettings(n=4, max_tokens=8, seed=3 + i, **s))
+        parts = [engine.generate(PROMPTS, SamplingSettings(n=4, max_tokens=8, seed=3 + i, **s))
                  for i, s in enumerate(settings)]
         batch = TokenBatch.concat([p.batch for p in parts])
         # Interleave the settings' rows, so that every micro-batch (and every packed row of
@@ -91,13 +90,10 @@ def _rollout_job(hf_dir: str) -> dict:
         return batch.select([j + i * half for j in range(half) for i in range(len(parts))])
 
     out = {}
-    try:
-        for name, settings in (("tempered", [{"temperature": t} for t in TEMPERATURES]),
-                               ("truncated", list(TRUNCATED))):
-            batch = sample(settings)
-            out[name] = {"batch": batch, "hf": hf_sampled_values(model, batch)}
-    finally:
-        worker.shutdown()
+    for name, settings in (("tempered", [{"temperature": t} for t in TEMPERATURES]),
+                           ("truncated", list(TRUNCATED))):
+        batch = sample(settings)
+        out[name] = {"batch": batch, "hf": hf_sampled_values(model, batch)}
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 
 from rlhf_megatron.testing.episodes import assert_async_episodes, run_with_three_turn_env
 from rlhf_megatron.testing.hf_reference import (
-    VLLM_ENV,
+    ASYNC_VLLM_ENV,
     hf_continuation_logprobs,
     layer_buckets,
 )
@@ -31,10 +31,10 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
     from safetensors.torch import load_file
 
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
-    from rlhf_megatron.rollout.engine import RolloutEngine
+    from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
     from rlhf_megatron.testing.episodes import async_episode_checks
 
-    engine = RolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0), capacity=8)
+    engine = AsyncRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0), capacity=8)
     out: dict = {}
     try:
         sampling = SamplingSettings(n=2, temperature=1.0, max_tokens=MAX_TOKENS)
@@ -86,7 +86,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
 
 @pytest.mark.multirank
 def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
-    out = run_with_three_turn_env(_partial_rollout_job, tmp_path, VLLM_ENV)
+    out = run_with_three_turn_env(_partial_rollout_job, tmp_path, ASYNC_VLLM_ENV)
     assert out["version"] == 1
     assert out["tokens_while_paused"] == 0, out
     assert sorted(out["keys"]) == [0, 1, 2] and out["counts"]["in_flight"] == 0, out

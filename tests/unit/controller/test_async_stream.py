@@ -15,7 +15,7 @@ from rlhf_megatron.rollout.async_batch import (
     logprob_diff_by_lag,
     split_by_staleness,
 )
-from rlhf_megatron.rollout.engine import RolloutGroup, SampleRecord
+from rlhf_megatron.rollout.async_engine import RolloutGroup, SampleRecord
 
 DATA = [f"p{i}" for i in range(10)]
 

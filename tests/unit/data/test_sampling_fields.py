@@ -13,7 +13,7 @@ from rlhf_megatron.data.sampling import sampled_distribution, sampling_fields
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.rollout.async_batch import groups_to_batch, groups_to_result
-from rlhf_megatron.rollout.engine import RolloutGroup, SampleRecord
+from rlhf_megatron.rollout.async_engine import RolloutGroup, SampleRecord
 
 
 def _group(key: int, sampling: SamplingSettings | None, n: int = 2) -> RolloutGroup:

@@ -142,3 +142,17 @@ def test_the_retired_batched_episode_engine_exits_2_with_one_line(tmp_path, caps
                  "environment.engine=batched", f"trainer.run_dir={tmp_path}/r"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "environment.engine" in err[0], err
+
+
+def test_episodes_pick_the_async_engine():
+    """The trainer's rollout workers: AsyncLLM for episodes, the batch engine for single-turn
+    sync runs."""
+    from rlhf_megatron.cluster.groups import rollout_worker_class
+    from rlhf_megatron.config import load_config
+    from rlhf_megatron.workers import RolloutWorker
+    from rlhf_megatron.workers.async_rollout_worker import AsyncRolloutWorker
+
+    tools = REPO / "configs" / "quickstart_tools_cpu.yaml"
+    assert rollout_worker_class(load_config(tools)) is AsyncRolloutWorker
+    assert rollout_worker_class(load_config(REPO / "configs" / "quickstart_cpu.yaml")) \
+        is RolloutWorker

