@@ -65,6 +65,7 @@ test-integration: setup
 PORTABLE_TESTS := tests/unit/algorithms tests/integration/engines/test_actor_loss_terms.py \
                   tests/integration/engines/test_critic_reward.py \
                   tests/integration/environments/test_episodes_e2e.py \
+                  tests/integration/environments/test_episodes_async_e2e.py \
                   tests/integration/checkpoint_tools/test_verify_bf16_checkpoint.py \
                   tests/integration/models/test_lora_parity.py
 AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2

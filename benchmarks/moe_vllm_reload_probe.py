@@ -15,10 +15,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-from test_refit import _connect, _fixed_batch, _serve_rollout, _train_step
-
 from rlhf_megatron.testing.multirank import find_free_port, run_on_ranks
+from rlhf_megatron.testing.rollout_service import (
+    connect_rollout,
+    refit_batch,
+    serve_rollout,
+    train_step,
+)
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 
@@ -28,30 +31,36 @@ def job(hf_dir: str, port: int) -> dict:
     from rlhf_megatron.parallel import ParallelDims, initialize_layout
     from rlhf_megatron.refit import SharedMemoryTransport, refit_rollout
     from rlhf_megatron.rollout.metrics import rollout_logprob_diff
-    rollout = _connect(port)
-    batch = _fixed_batch()
+
+    rollout = connect_rollout(port)
+    batch = refit_batch()
     dims = ParallelDims(1)
     initialize_layout(dims)
-    actor = ActorEngine(EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=2.0)), hf_dir=hf_dir, dims=dims)
+    config = EngineConfig(micro_batch_size=2, optimizer=OptimizerSettings(name="sgd", lr=2.0))
+    actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
     out = {}
     lp = actor.compute_logprobs(batch)["logprobs"]
-    out["baseline"] = rollout_logprob_diff(rollout.call("score_logprobs", batch), lp, batch.loss_mask)
+    out["baseline"] = rollout_logprob_diff(rollout.call("score_logprobs", batch), lp,
+                                         batch.loss_mask)
     t = SharedMemoryTransport()
     refit_rollout(actor, rollout, t, version=1)
-    out["refit_same"] = rollout_logprob_diff(rollout.call("score_logprobs", batch), lp, batch.loss_mask)
-    _train_step(actor, batch)
+    out["refit_same"] = rollout_logprob_diff(rollout.call("score_logprobs", batch), lp,
+                                         batch.loss_mask)
+    train_step(actor, batch)
     refit_rollout(actor, rollout, t, version=2)
     lp = actor.compute_logprobs(batch)["logprobs"]
-    out["refit_trained"] = rollout_logprob_diff(rollout.call("score_logprobs", batch), lp, batch.loss_mask)
+    out["refit_trained"] = rollout_logprob_diff(rollout.call("score_logprobs", batch), lp,
+                                         batch.loss_mask)
     t.close()
     rollout.close()
     return out
+
 
 if __name__ == "__main__":
     arch = sys.argv[1]
     hf_dir = str(write_tiny_hf_checkpoint(Path(tempfile.mkdtemp()) / arch, arch))
     port = find_free_port()
-    server = mp.get_context("spawn").Process(target=_serve_rollout, args=(hf_dir, port, 1))
+    server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 1))
     server.start()
     try:
         print(run_on_ranks(job, 1, (hf_dir, port), timeout_s=600))

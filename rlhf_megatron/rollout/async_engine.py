@@ -251,7 +251,11 @@ class AsyncRolloutEngine:
             self._cond.notify_all()
 
     async def _generate_group(self, prompt: list[int], sampling: SamplingSettings,
-                              seed: int | None, key: int) -> list[SampleRecord]:
+                              seed: int | None, key: int, *, buffered: bool
+                              ) -> list[SampleRecord]:
+        """One group's `sampling.n` samples. A `buffered` group's records are tracked in
+        `_streaming` until take() hands the group out (tokens_in_flight counts them); a group
+        generated now (generate_groups) is returned whole and never tracked there."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -263,8 +267,9 @@ class AsyncRolloutEngine:
             seed=None if base is None else base + j, output_kind=RequestOutputKind.DELTA,
         ) for j in range(sampling.n)]
         records = [SampleRecord() for _ in params]
-        with self._cond:
-            self._streaming.extend(records)
+        if buffered:
+            with self._cond:
+                self._streaming.extend(records)
         await asyncio.gather(*(self._stream(prompt, p, r) for p, r in zip(params, records)))
         return records
 
@@ -310,7 +315,7 @@ class AsyncRolloutEngine:
 
         async def run() -> list[list[SampleRecord]]:
             return await asyncio.gather(*(
-                self._generate_group(list(p), sampling, seed, first_key + i)
+                self._generate_group(list(p), sampling, seed, first_key + i, buffered=False)
                 for i, p in enumerate(prompts)))
 
         version = self.weight_version

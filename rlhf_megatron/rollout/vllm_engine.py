@@ -70,8 +70,9 @@ def vllm_engine_kwargs(hf_dir: Path, config: RolloutConfig, on_cuda: bool,
     )
     if awaiting_weights:
         kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
-    if on_cuda:
+    if on_cuda:  # sleep mode needs CUDA's memory pool (vLLM's CuMemAllocator)
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = config.enable_sleep_mode
     return kwargs
 
 
@@ -117,8 +118,6 @@ class VllmRolloutEngine:
 
         kwargs = vllm_engine_kwargs(self.hf_dir, self.config, self.platform.is_cuda,
                                     self.awaiting_weights)
-        if self.platform.is_cuda:
-            kwargs["enable_sleep_mode"] = self.config.enable_sleep_mode
         # vLLM collects the whole heap five times while it builds (twice loading the model,
         # thrice in freeze_gc_heap, which then freezes everything): ~1 s over the ~640k objects
         # of the imports here on CPU. Frozen first, those passes see only the engine's new

@@ -56,7 +56,8 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
     "test_async_e2e.py": "one_step_off and async learning runs (~160 s)",
     "test_controller_e2e.py": "GRPO, split-pool and PPO runs (~150 s)",
     "test_controller_learning.py": "40 GRPO steps of the demo (~60-100 s)",
-    "test_episodes_e2e.py": "tools SFT, then GRPO in sync and in async (~200 s)",
+    "test_episodes_e2e.py": "the tools SFT warm start, then its GRPO (~120 s)",
+    "test_episodes_async_e2e.py": "the tools GRPO in async, from the same warm start (~70 s)",
     "test_offline_e2e.py": "SFT, KTO, DPO runs; SFT -> DPO with SIGTERM and resume (~180 s)",
     "test_context_parallel_grpo.py": "CP2 and CP1 GRPO runs (~75 s)",
     "test_resume_other_layout.py": "a run and its resume at another layout (~60 s)",
@@ -101,7 +102,7 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
 # machine (2 workers, session 7; a file not listed is short and keeps its place among them).
 FILE_SECONDS = {
     "test_async_e2e.py": 225, "test_context_parallel_grpo.py": 208, "test_slurm_train.py": 199,
-    "test_episodes_e2e.py": 235, "test_controller_faults.py": 180, "test_reliability.py": 164,
+    "test_episodes_e2e.py": 160, "test_episodes_async_e2e.py": 95, "test_controller_faults.py": 180, "test_reliability.py": 164,
     "test_controller_e2e.py": 163, "test_offline_e2e.py": 190, "test_real_model.py": 130,
     "test_logprob_drift_e2e.py": 99, "test_sampled_distribution.py": 89,
     "test_gpu_check_small.py": 88, "test_refit.py": 83, "test_moe_grpo_e2e.py": 82,

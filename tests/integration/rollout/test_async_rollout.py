@@ -53,6 +53,12 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
         out["version"] = engine.finish_weight_update(1)
         groups = engine.take(len(PROMPTS), timeout=300)
         out["counts"] = engine.counts()
+        # Generating now (validation's path) hands its groups back whole: the engine keeps no
+        # record of them (it once kept every such sample, a leak over an async run's evals).
+        out["tracked_after_take"] = len(engine._streaming)
+        now = engine.generate_groups([PROMPTS[0]], SamplingSettings(n=2, max_tokens=8), seed=3)
+        out["tracked_after_generate_now"] = len(engine._streaming)
+        out["generated_now"] = [(len(s.tokens), s.versions) for s in now[0].samples]
         out["episodes"] = async_episode_checks(engine, hf_dir, env_spec, new_state)
     finally:
         engine.shutdown()
@@ -93,4 +99,6 @@ def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
     assert out["spanning"] >= 1, out  # some request has tokens of both versions
     assert out["diffs"][0] < 1e-4 and out["diffs"][1] < 1e-4, out
     assert out["cross"] > 1e-2, out  # the new weights really changed those tokens' log-probs
+    assert out["tracked_after_take"] == out["tracked_after_generate_now"] == 0, out
+    assert all(1 <= n <= 8 and versions == [1] * n for n, versions in out["generated_now"]), out
     assert_async_episodes(out["episodes"])

@@ -40,3 +40,19 @@ def test_tp_that_does_not_divide_heads_is_refused():
 def test_bad_sampling_settings(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         SamplingSettings(**kwargs).validate()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_both_engines_get_sleep_mode_on_cuda_only(tmp_path, monkeypatch, enabled):
+    """vllm_engine_kwargs is the one place both engines (LLM and AsyncLLM) take their vLLM
+    arguments from: on CUDA it passes rollout.engine.enable_sleep_mode, which sleep() relies on
+    (the async engine once built its kwargs without it, so a colocated sleep found no pool); on
+    CPU, where vLLM has no sleep mode, it passes none."""
+    from rlhf_megatron.rollout.vllm_engine import vllm_engine_kwargs
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    config = RolloutConfig(max_model_len=128, enable_sleep_mode=enabled)
+    cuda = vllm_engine_kwargs(tmp_path, config, on_cuda=True, awaiting_weights=False)
+    assert cuda["enable_sleep_mode"] is enabled
+    cpu = vllm_engine_kwargs(tmp_path, config, on_cuda=False, awaiting_weights=False)
+    assert "enable_sleep_mode" not in cpu and "gpu_memory_utilization" not in cpu
