@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_megatron.testing.batches import next_token_nll, random_token_rows
+from rlhf_megatron.testing.batches import next_token_nll, next_token_pass, random_token_rows
 from rlhf_megatron.testing.layouts import PARITY, Layout
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -101,13 +101,12 @@ def _place_weights(chunks, weights, args, tp_rank: int, tp: int) -> None:
 
 
 def _check_against_tp1_pp1(hf_dir: str, layout: Layout, weights, ref_grads, ref_logits) -> dict:
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlhf_megatron.models.megatron_layout import (
         global_layer_name,
@@ -129,32 +128,8 @@ def _check_against_tp1_pp1(hf_dir: str, layout: Layout, weights, ref_grads, ref_
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     per_rank = GLOBAL_BATCH // dp
     data = _batch(hf_config.vocab_size)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-    micro_batches = list(data.split(MICRO_BATCH))
-    logits_seen = []
-
-    def forward_step(data_iterator, model):
-        micro = next(data_iterator)
-        tokens, targets = micro[:, :-1], micro[:, 1:]
-        positions = torch.arange(SEQ_LEN).expand(tokens.shape[0], -1)
-        output = model(tokens, positions, None)
-
-        def loss_func(logits):
-            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            logits_seen.append(full.detach()[..., : hf_config.vocab_size])
-            return next_token_nll(full, targets, hf_config.vocab_size), {}
-
-        return output, loss_func
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        # One iterator per model chunk: with interleaving every chunk walks all micro-batches.
-        data_iterator=[iter(micro_batches) for _ in chunks] if layout.vpp else iter(micro_batches),
-        model=chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=SEQ_LEN,
-        micro_batch_size=MICRO_BATCH,
-        forward_only=False,
-    )
+    logits_seen = next_token_pass(chunks, list(data.split(MICRO_BATCH)), hf_config.vocab_size,
+                                  forward_only=False)
     finalize_model_grads(chunks)
     diffs = {"logits": 0.0, "grads": 0.0, "grads_relative": 0.0, "smallest_grad_scale": 1e30,
              "rows_checked": 0}

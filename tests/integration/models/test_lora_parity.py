@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_megatron.testing.batches import next_token_nll, random_token_rows
+from rlhf_megatron.testing.batches import next_token_nll, next_token_pass, random_token_rows
 from rlhf_megatron.testing.layouts import LORA, LORA_SHAPE
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -113,13 +113,12 @@ def _build(hf_dir: str, layout, lora: bool):
 
 
 def _check_layout(hf_dir: str, layout, reference: dict) -> dict:
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlhf_megatron.engines.checkpoint import unwrap
     from rlhf_megatron.models.lora import adapters_disabled
@@ -158,38 +157,18 @@ def _check_layout(hf_dir: str, layout, reference: dict) -> dict:
                 param.copy_(_local(reference["adapters"][name], kind, matrix, tp, tp_rank))
     result["base_trainable"] = [n for n, p in named(chunks) if p.requires_grad and ".lora." not in n]
 
-    def run(models, forward_only: bool, seen: list):
-        def forward_step(data_iterator, model):
-            micro = next(data_iterator)
-            tokens, targets = micro[:, :-1], micro[:, 1:]
-            output = model(tokens, torch.arange(SEQ_LEN).expand(tokens.shape[0], -1), None)
-
-            def loss_func(logits):
-                full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-                seen.append(full.detach()[..., :vocab])
-                return next_token_nll(full, targets, vocab), {}
-
-            return output, loss_func
-
-        micro_batches = list(data.split(MICRO_BATCH))
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=models,
-            num_microbatches=len(micro_batches), seq_length=SEQ_LEN,
-            micro_batch_size=MICRO_BATCH, forward_only=forward_only)
-
-    disabled, plain_seen = [], []
+    micro_batches = list(data.split(MICRO_BATCH))
     with torch.no_grad(), adapters_disabled(chunks):
-        run(chunks, True, disabled)
+        disabled = next_token_pass(chunks, micro_batches, vocab, forward_only=True)
     with torch.no_grad():
-        run(plain, True, plain_seen)
+        plain_seen = next_token_pass(plain, micro_batches, vocab, forward_only=True)
     if disabled:
         result["disabled_vs_plain"] = max((a - b).abs().max().item()
                                           for a, b in zip(disabled, plain_seen))
 
     ddp = DistributedDataParallelConfig(overlap_grad_reduce=False)
     chunks = [DistributedDataParallel(args.transformer_config, ddp, chunk) for chunk in chunks]
-    seen: list = []
-    run(chunks, False, seen)
+    seen = next_token_pass(chunks, micro_batches, vocab, forward_only=False)
     finalize_model_grads(chunks)
     if seen:
         expected = reference["logits"][dp_rank * per_rank:(dp_rank + 1) * per_rank]

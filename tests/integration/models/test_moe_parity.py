@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 
-from rlhf_megatron.testing.batches import next_token_nll, random_token_rows
+from rlhf_megatron.testing.batches import next_token_pass, random_token_rows
 from rlhf_megatron.testing.layouts import MOE_PARITY
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -76,13 +76,12 @@ def _build_and_load(hf_dir: str, tp: int, pp: int, ep: int):
 
 
 def _check_layout(hf_dir: str, tp: int, pp: int, ep: int, hf_logits: torch.Tensor) -> dict:
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlhf_megatron.engines.checkpoint import unwrap
     from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
@@ -96,26 +95,8 @@ def _check_layout(hf_dir: str, tp: int, pp: int, ep: int, hf_logits: torch.Tenso
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     per_rank = GLOBAL_BATCH // dp
     data = _batch(hf_config.vocab_size)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    logits_seen: list[torch.Tensor] = []
-
-    def forward_step(data_iterator, model):
-        micro = next(data_iterator)
-        tokens, targets = micro[:, :-1], micro[:, 1:]
-        output = model(tokens, torch.arange(SEQ_LEN).expand(tokens.shape[0], -1), None)
-
-        def loss_func(logits):
-            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            logits_seen.append(full.detach()[..., :hf_config.vocab_size])
-            return next_token_nll(full, targets, hf_config.vocab_size), {}
-
-        return output, loss_func
-
-    micro_batches = list(data.split(MICRO_BATCH))
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=chunks,
-        num_microbatches=len(micro_batches), seq_length=SEQ_LEN, micro_batch_size=MICRO_BATCH,
-        forward_only=False,
-    )
+    logits_seen = next_token_pass(chunks, list(data.split(MICRO_BATCH)), hf_config.vocab_size,
+                                  forward_only=False)
     finalize_model_grads(chunks)
     result = {"logits": None, "experts_read": sorted(experts_read), "ep_rank": ep_rank,
               "experts": args.transformer_config.num_moe_experts,
