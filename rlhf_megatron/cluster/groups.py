@@ -19,7 +19,7 @@ from rlhf_megatron.cluster.facades import (
 from rlhf_megatron.cluster.ray_cluster import DevicePool, worker_threads
 from rlhf_megatron.cluster.worker_group import WorkerGroup, remote, wait_all
 from rlhf_megatron.config import DevicePlan, TrainConfig
-from rlhf_megatron.config.roles import megatron_roles
+from rlhf_megatron.config.roles import ACTOR, CRITIC, REWARD_MODEL, ROLLOUT, roles_in_run
 from rlhf_megatron.config.rollout_mode import buffer_capacity
 from rlhf_megatron.errors import WorkerFailure
 from rlhf_megatron.workers import AsyncRolloutWorker, EngineSpec, MegatronWorker, RolloutWorker
@@ -49,7 +49,8 @@ class RunGroups:
             group.kill()
 
 
-_FACADES = {"actor": ActorGroup, "critic": CriticGroup, "reward_model": RewardModelGroup}
+_FACADES = {ACTOR.name: ActorGroup, CRITIC.name: CriticGroup, REWARD_MODEL.name: RewardModelGroup}
+"""Each Megatron role's facade (config/roles.ROLE_TABLE)."""
 
 
 def rollout_worker_class(cfg: TrainConfig) -> type:
@@ -61,17 +62,15 @@ def rollout_worker_class(cfg: TrainConfig) -> type:
 
 
 def _megatron_specs(cfg: TrainConfig) -> dict[str, EngineSpec]:
-    """One EngineSpec per role of config.roles.megatron_roles."""
+    """One EngineSpec per Megatron role the run builds (config/roles.roles_in_run)."""
     seed = cfg.trainer.seed
-    paths = {"actor": cfg.model.path, "critic": cfg.critic.path or cfg.model.path,
-             "reward_model": cfg.reward_model.path}
     specs = {}
-    for role, section in megatron_roles(cfg):
-        trains = role != "reward_model"  # a trained engine's seed is the run's
-        specs[role] = EngineSpec(role, paths[role], section.layout,
-                                 replace(section.engine, seed=seed) if trains else section.engine,
-                                 with_reference=role == "actor" and cfg.uses_reference,
-                                 seed=seed)
+    for role in roles_in_run(cfg):
+        section = getattr(cfg, role.name)
+        engine = replace(section.engine, seed=seed) if role.trained else section.engine
+        specs[role.name] = EngineSpec(role.name, role.weights(cfg), section.layout, engine,
+                                      with_reference=role is ACTOR and cfg.uses_reference,
+                                      seed=seed)
     return specs
 
 
@@ -87,7 +86,7 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
             lambda rank, role=role, world=world, threads=threads:
                 (f"{role}[{rank}]", rank, world, threads))
     if not cfg.is_offline:  # SFT/DPO/KTO: the actor alone
-        groups["rollout"] = _rollout_workers(cfg, plan, pools)
+        groups[ROLLOUT] = _rollout_workers(cfg, plan, pools)
     timeout = cfg.ray.startup_timeout_s
     # Rendezvous addresses first (fast), then every setup at once.
     addresses = _rendezvous_addresses(groups, list(specs), timeout)
@@ -97,11 +96,11 @@ def build_groups(cfg: TrainConfig, plan: DevicePlan, pools: dict[str, DevicePool
             refs.append(remote(handle, MegatronWorker.setup, spec, ip, port))
             names.append(name)
             owners.append(role)
-    rollout = groups.get("rollout")
+    rollout = groups.get(ROLLOUT)
     if rollout is not None:
         refs += [remote(handle, RolloutWorker.ping) for handle in rollout.handles]
         names += rollout.names
-        owners += ["rollout"] * len(rollout.handles)
+        owners += [ROLLOUT] * len(rollout.handles)
     results = wait_all(refs, names, "setup", timeout_s=timeout)
     for role in specs:
         groups[role].set_parallel_ranks([r for r, o in zip(results, owners) if o == role])
@@ -123,11 +122,11 @@ def _rollout_workers(cfg: TrainConfig, plan: DevicePlan,
     if rollout_class is not RolloutWorker:
         extra = (buffer_capacity(cfg),)
     return WorkerGroup.create(
-        "rollout", rollout_class, pools[plan.role_pool["rollout"]],
+        ROLLOUT, rollout_class, pools[plan.role_pool[ROLLOUT]],
         [engine * tp for engine in range(cfg.rollout.num_engines)],
         lambda rank: (f"rollout[{rank}]", cfg.model.path,
                       replace(rollout_config, seed=rollout_config.seed + rank),
-                      worker_threads(cfg, plan, "rollout"), *extra))
+                      worker_threads(cfg, plan, ROLLOUT), *extra))
 
 
 def _rendezvous_addresses(groups: dict[str, WorkerGroup], roles: list[str],

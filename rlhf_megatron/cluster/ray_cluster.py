@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_megatron.config import DevicePlan, TrainConfig
-from rlhf_megatron.config.roles import device_needs, megatron_roles
+from rlhf_megatron.config.roles import ROLLOUT, device_needs, megatron_roles
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.platform import current_platform
 
@@ -78,7 +78,7 @@ def worker_threads(cfg: TrainConfig, plan: DevicePlan, role: str) -> int:
     cores = min(cores, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                 else os.cpu_count() or 1)
     needs = device_needs(cfg)
-    if role == "rollout":
+    if role == ROLLOUT:
         busy = cfg.rollout.num_engines
     else:
         busy = sum(needs[r] for r, _ in megatron_roles(cfg) if plan.role_pool[r] == pool)

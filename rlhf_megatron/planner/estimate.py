@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_megatron.config.roles import ACTOR, CRITIC, REWARD_MODEL
 from rlhf_megatron.config.schema import TrainConfig
 from rlhf_megatron.models import pad_vocab_size
 from rlhf_megatron.planner.checks import (
@@ -193,10 +194,10 @@ class PlannedRole:
 
 
 PLANNED_ROLES = (
-    PlannedRole("actor", "actor", trainable=True, label="actor"),
-    PlannedRole("reference", "actor", trainable=False, label="reference"),
-    PlannedRole("critic", "critic", trainable=True, label="critic", phase="critic update"),
-    PlannedRole("reward_model", "reward_model", trainable=False, label="reward-model",
+    PlannedRole(ACTOR.name, ACTOR.name, trainable=True, label="actor"),
+    PlannedRole("reference", ACTOR.name, trainable=False, label="reference"),
+    PlannedRole(CRITIC.name, CRITIC.name, trainable=True, label="critic", phase="critic update"),
+    PlannedRole(REWARD_MODEL.name, REWARD_MODEL.name, trainable=False, label="reward-model",
                 phase="reward scoring"),
 )
 """The Megatron roles the planner models, in report order (the rollout is rollout_memory)."""

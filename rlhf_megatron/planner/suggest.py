@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_megatron.config.roles import MEGATRON_ROLES, megatron_roles
+from rlhf_megatron.config.roles import ACTOR, MEGATRON_ROLES, megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.planner.checks import longest_row
 from rlhf_megatron.planner.cluster import Cluster, on_cluster
@@ -93,7 +93,7 @@ def apply_trainer(cfg: TrainConfig, cluster: Cluster,
         engine = dataclasses.replace(section.engine, recompute_activations=candidate.recompute,
                                      optimizer=optimizer)
         changes: dict[str, Any] = {"layout": layout, "engine": engine}
-        if role == "actor":
+        if role == ACTOR.name:
             changes["offload_during_rollout"] = candidate.offload
         cfg = dataclasses.replace(cfg, **{role: dataclasses.replace(section, **changes)})
     return cfg

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_megatron.quickstart_tools import prepare
 from rlhf_megatron.testing.train_runs import REPO, RayHead, read_metrics, run_train, window_means
 
 # 800 SFT steps (loss ~0.01; 400 left it at ~0.09): the warm start copies the tool's output
@@ -32,8 +33,6 @@ def train(config: str, head: RayHead, **values: object) -> None:
 def build_warm_start(root: Path, head: RayHead) -> None:
     """The tools assets, the SFT warm start and the RL prompts (the first RL_PROMPTS RL
     questions), all under `root`."""
-    from rlhf_megatron.quickstart_tools import prepare
-
     assets = prepare(root / "assets")
     train("quickstart_tools_sft_cpu.yaml", head, **{
         "model.path": assets / "model", "data.train_files": f"[{assets / 'sft.jsonl'}]",

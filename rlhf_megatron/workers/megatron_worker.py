@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.config.roles import MEGATRON_ROLES as ROLES
+from rlhf_megatron.config.roles import ACTOR, CRITIC, MEGATRON_ROLES, REWARD_MODEL
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.platform.gc_pause import collector_paused
 from rlhf_megatron.platform.net import free_port, node_ip
@@ -68,22 +68,26 @@ class MegatronWorker:
         return self.parallel_ranks()
 
     def _build(self, spec: EngineSpec, dims: Any) -> Any:
-        from rlhf_megatron.engines import ActorEngine, ReferenceEngine
         from rlhf_megatron.engines.critic import CriticEngine, RewardModelEngine
 
-        if spec.role == "actor":
-            lora = spec.engine.lora is not None
-            if spec.with_reference and not lora:
-                self.reference = ReferenceEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
-            actor = ActorEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
-            if spec.with_reference and lora:  # the base model: the actor, adapters off
-                self.reference = actor.adapters_off()
-            return actor
-        if spec.role == "critic":
-            return CriticEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
-        if spec.role == "reward_model":
-            return RewardModelEngine(spec.engine, hf_dir=spec.hf_dir, dims=dims)
-        raise ValueError(f"unknown role {spec.role!r}; expected one of {ROLES}")
+        builders = {ACTOR.name: self._build_actor, CRITIC.name: CriticEngine,
+                    REWARD_MODEL.name: RewardModelEngine}  # one per config/roles.ROLE_TABLE row
+        if spec.role not in builders:
+            raise ValueError(f"unknown role {spec.role!r}; expected one of {MEGATRON_ROLES}")
+        return builders[spec.role](spec.engine, hf_dir=spec.hf_dir, dims=dims)
+
+    def _build_actor(self, engine: Any, hf_dir: str, dims: Any) -> Any:
+        """The actor, and the reference beside it when the spec asks for one: a frozen copy of
+        the same weights, or with LoRA the actor itself with its adapters off."""
+        from rlhf_megatron.engines import ActorEngine, ReferenceEngine
+
+        with_reference, lora = self.spec.with_reference, engine.lora is not None
+        if with_reference and not lora:
+            self.reference = ReferenceEngine(engine, hf_dir=hf_dir, dims=dims)
+        actor = ActorEngine(engine, hf_dir=hf_dir, dims=dims)
+        if with_reference and lora:
+            self.reference = actor.adapters_off()
+        return actor
 
     def parallel_ranks(self) -> dict[str, int]:
         """This rank's DP rank and whether it hands results back (tp = cp = 0, first stage)."""
