@@ -199,7 +199,7 @@ class AsyncRolloutEngine:
         self._admit([(key, list(prompt)) for key, prompt in items], sampling)
         for key, prompt in items:
             self._loop.call_soon_threadsafe(self._spawn, key, self._generate_group(
-                list(prompt), sampling, seed, key))
+                list(prompt), sampling, seed, key, buffered=True))
 
     def submit_episodes(self, items: Sequence[tuple[int, dict[str, Any]]], episodes: Any,
                         sampling: SamplingSettings, seed: int | None) -> None:
