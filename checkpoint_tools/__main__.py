@@ -2,6 +2,8 @@
 
     rlhf-convert hf-to-mcore --hf HF_DIR --out CKPT_DIR [--tp 2 --pp 2] [--dtype bf16]
     rlhf-convert mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--max-shard-size 5GB] [--dtype bf16]
+                             [--merge-lora]
+    rlhf-convert lora-to-peft --ckpt CKPT_DIR --out PEFT_DIR [--base HF_DIR_OR_ID] [--dtype bf16]
     rlhf-convert verify --hf HF_DIR --ckpt CKPT_DIR [--tp 2 --pp 2] [--compute-dtype bf16]
     rlhf-convert inspect DIR
 (`python -m checkpoint_tools` is the same command.)
@@ -48,9 +50,21 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     from checkpoint_tools.mcore_to_hf import convert_mcore_to_hf
 
     stats = convert_mcore_to_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size,
-                                dtype=args.dtype, force=args.force, progress=not args.quiet)
+                                dtype=args.dtype, force=args.force, progress=not args.quiet,
+                                merge_lora=args.merge_lora)
     print(f"wrote {args.out}: {stats['hf_tensors']} tensors in {stats['files']} file(s), "
           f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.3f} s{_copied(stats)}; "
+          f"peak RSS {peak_rss_mb():.0f} MB")
+    return 0
+
+
+def _lora_to_peft(args: argparse.Namespace) -> int:
+    from checkpoint_tools.lora_export import convert_lora_to_peft
+
+    stats = convert_lora_to_peft(args.ckpt, args.out, dtype=args.dtype, base=args.base,
+                                 force=args.force, progress=not args.quiet)
+    print(f"wrote {args.out}: {stats['adapters']} adapters ({stats['tensors']} tensors), "
+          f"{stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.3f} s; "
           f"peak RSS {peak_rss_mb():.0f} MB")
     return 0
 
@@ -115,6 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (5GB)")
     sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                      help="dtype of the HF weights (default: the checkpoint's stored dtype)")
+    sub.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA run's checkpoint: write each adapted weight as W + (alpha / "
+                     "rank) B A, computed in fp32 (required for a checkpoint with adapters)")
+
+    sub = add("lora-to-peft", _lora_to_peft,
+              "a LoRA run's training checkpoint -> PEFT adapter directory (adapter_config.json "
+              "+ adapter_model.safetensors) for peft.PeftModel.from_pretrained on the HF base")
+    sub.add_argument("--ckpt", required=True, help="checkpoint written by the trainer with "
+                     "actor.engine.lora set")
+    output(sub)
+    sub.add_argument("--base", default=None, help="recorded as base_model_name_or_path (the HF "
+                     "base's directory or hub id; default: none)")
+    sub.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                     help="dtype of the adapter weights (default: as stored)")
 
     sub = add("verify", _verify, "compare HF transformers' and Megatron's next-token "
               "distributions on the same tokens (log-probs, top-1, KL); exit 1 beyond tolerance")

@@ -8,6 +8,10 @@ the output plan (file by file) before any weight is read. Then each Megatron ten
 slice of a stacked `decoder.layers.*` tensor) is read on its own, straight from the `.distcp`
 byte ranges the DCP metadata names (`dcp_reader`; no process group needed), mapped to HF tensors by the architecture's table, written and dropped. Peak
 memory is about one Megatron tensor plus its HF outputs.
+
+A LoRA actor's checkpoint also stores adapters: `--merge-lora` writes each adapted weight merged
+(checkpoint_tools/lora_export.py); without it such a checkpoint is refused, as the HF model
+would silently lack the training.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ from checkpoint_tools.common import (
     parse_size,
 )
 from checkpoint_tools.dcp_reader import DcpReader
+from checkpoint_tools.lora_adapters import (
+    Adapter,
+    find_adapters,
+    is_lora_name,
+    lora_scale,
+    merged_weight,
+)
 from checkpoint_tools.safetensors_writer import (
     PlannedSafetensorsWriter,
     PlannedTensor,
@@ -113,6 +124,11 @@ def read_source(reader: DcpReader, source: SourceTensor) -> torch.Tensor:
     return tensor if source.layer is None else tensor[0]
 
 
+def read_adapter(reader: DcpReader, adapter: Adapter) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter's stored A [r, in] and B [out, r]."""
+    return read_source(reader, adapter.a), read_source(reader, adapter.b)
+
+
 def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
           hf_shapes: dict[str, torch.Size], dtype: torch.dtype | None
           ) -> tuple[list[tuple[SourceTensor, Any, torch.dtype]], list[PlannedTensor]]:
@@ -137,12 +153,26 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
     return work, planned
 
 
+@dataclass(frozen=True)
+class LoraMerge:
+    """The adapters to merge (HF weight name -> lora_export.Adapter) and alpha / rank."""
+
+    adapters: dict[str, Adapter]
+    scale: float
+
+
 def _hf_tensors(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any,
-                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (hf_name, tensor) pairs of one Megatron parameter, read and cast to `dtype`."""
+                dtype: torch.dtype, merge: LoraMerge | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (hf_name, tensor) pairs of one Megatron parameter, read and cast to `dtype`, each
+    adapted one merged with its adapter."""
     tensor = read_source(reader, source)
     for name, hf_tensor in resolved.megatron_to_hf([tensor], ctx):
-        yield name, hf_tensor.to(dtype)
+        adapter = merge.adapters.get(name) if merge is not None else None
+        if adapter is None:
+            yield name, hf_tensor.to(dtype)
+            continue
+        a, b = read_adapter(reader, adapter)
+        yield name, merged_weight(hf_tensor, a, b, merge.scale, dtype)
 
 
 def _hf_extents(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any,
@@ -179,7 +209,8 @@ def _page_hints(copies: list[dict[str, list[Extent]] | None]) -> dict[str, tuple
 
 def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any, torch.dtype]],
             copies: list[dict[str, list[Extent]] | None], ctx: Any,
-            writer: PlannedSafetensorsWriter, on_tensor: Any) -> FileCopier:
+            writer: PlannedSafetensorsWriter, on_tensor: Any,
+            merge: LoraMerge | None) -> FileCopier:
     """Write every HF tensor in plan order: copied in the kernel where `copies` has its byte
     ranges, read and written otherwise. Returns the `FileCopier` (in-kernel bytes and time)."""
     copier = FileCopier()
@@ -190,7 +221,7 @@ def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any, torch.dtype]]
                     writer.copy(name, ranges, copier)
                     on_tensor()
                 continue
-            for name, tensor in _hf_tensors(reader, source, resolved, ctx, dtype):
+            for name, tensor in _hf_tensors(reader, source, resolved, ctx, dtype, merge):
                 writer.write(name, tensor)
                 on_tensor()
     finally:
@@ -201,10 +232,12 @@ def _export(reader: DcpReader, work: list[tuple[SourceTensor, Any, torch.dtype]]
 def convert_mcore_to_hf(
     ckpt_dir: str | Path, out: str | Path, *, max_shard_size: str = "5GB",
     dtype: str | None = None, force: bool = False, progress: bool = True,
+    merge_lora: bool = False,
 ) -> dict[str, Any]:
     """Export a converted or training checkpoint as an HF directory at `out` (optimizer state
     is skipped); returns a small stats dict. `dtype` (fp32 / bf16 / fp16) of the HF weights:
-    None writes the checkpoint's stored dtype."""
+    None writes the checkpoint's stored dtype. `merge_lora`: a LoRA run's checkpoint, with
+    each adapted weight merged (required for one; refused for a checkpoint without adapters)."""
     from tqdm import tqdm
 
     from rlhf_megatron.models import ARCHITECTURES, head_dim_of
@@ -222,6 +255,8 @@ def convert_mcore_to_hf(
                          head_dim_of(config), metadata.vocab_size, metadata.padded_vocab_size)
     dcp_metadata = read_dcp_metadata(ckpt_dir)
     sources = source_tensors(ckpt_dir, config.num_hidden_layers, dcp_metadata)
+    merge = _lora_merge(ckpt_dir, metadata, sources, table, merge_lora)
+    sources = [source for source in sources if not is_lora_name(source.megatron_name)]
     out_dtype = DTYPES[dtype or metadata.dtype]  # config.json's
     hf_shapes = expected_hf_shapes(config)
     work, planned = _plan(metadata, sources, table, hf_shapes, DTYPES[dtype] if dtype else None)
@@ -232,11 +267,13 @@ def convert_mcore_to_hf(
             reader = DcpReader(ckpt_dir, dcp_metadata)
             try:
                 # Byte ranges first (a few per tensor): they fix each file's header padding.
-                copies = [_hf_extents(reader, source, resolved, ctx, hf_shapes, tensor_dtype)
+                # Merged weights are computed, not copied.
+                copies = [None if merge and set(resolved.hf_names.values()) & set(merge.adapters)
+                          else _hf_extents(reader, source, resolved, ctx, hf_shapes, tensor_dtype)
                           for source, resolved, tensor_dtype in work]
                 writer = PlannedSafetensorsWriter(tmp, assign_shards(planned, max_bytes),
                                                   _page_hints(copies))
-                copier = _export(reader, work, copies, ctx, writer, lambda: bar.update(1))
+                copier = _export(reader, work, copies, ctx, writer, lambda: bar.update(1), merge)
             finally:
                 reader.close()
         writer.close()
@@ -244,6 +281,19 @@ def convert_mcore_to_hf(
     return {"hf_tensors": len(planned), "files": len(writer.files),
             "bytes": writer.bytes_written, "seconds": time.perf_counter() - start,
             "kernel_bytes": copier.kernel_bytes, "copy_seconds": copier.seconds}
+
+
+def _lora_merge(ckpt_dir: Path, metadata: ConvertedMetadata, sources: list[SourceTensor],
+                table: Any, merge_lora: bool) -> LoraMerge | None:
+    adapters = find_adapters(sources, table)
+    if adapters and not merge_lora:
+        raise CheckpointError(f"{ckpt_dir} holds LoRA adapters: pass --merge-lora to write the "
+                              "merged model, or export the adapters with lora-to-peft")
+    if not merge_lora:
+        return None
+    if not adapters or metadata.lora is None:
+        raise CheckpointError(f"--merge-lora: {ckpt_dir} holds no LoRA adapters")
+    return LoraMerge(adapters, lora_scale(metadata.lora, adapters))
 
 
 def _write_assets(ckpt_dir: Path, out: Path, metadata: ConvertedMetadata, config: Any,

@@ -125,7 +125,18 @@ def _write_conversion_metadata(engine: Any, staging: Path) -> None:
             tc.params_dtype],
         vocab_size=engine.args.vocab_size, padded_vocab_size=engine.args.padded_vocab_size,
         asset_files=assets, saved_tp=engine.dims.tp, saved_pp=engine.dims.pp,
+        lora=_lora_fields(engine),
     ).write(staging)
+
+
+def _lora_fields(engine: Any) -> dict[str, Any] | None:
+    """A LoRA actor's settings for the metadata (its checkpoint holds the adapters); None for
+    an engine without adapters (a frozen engine of a LoRA config builds none)."""
+    lora = engine.config.lora
+    if lora is None or not engine.trainable:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+            "target_modules": list(lora.target_modules)}
 
 
 def load_model_weights(engine: Any, directory: str | Path) -> None:

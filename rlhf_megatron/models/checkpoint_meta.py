@@ -56,6 +56,9 @@ class ConvertedMetadata:
     export_dtypes: Megatron tensor name -> the dtype its HF tensor had, where Megatron stores it
         in another (a router's expert bias: Megatron keeps it fp32 whatever the checkpoint had),
         so that `mcore-to-hf` writes it back as it came.
+    lora: a LoRA actor's settings (rank, alpha, dropout, target_modules) when the checkpoint
+        holds adapters ("...lora.a.<part>" / "...lora.b.<part>" keys beside the base weights);
+        `lora-to-peft` and `mcore-to-hf --merge-lora` read them. None: no adapters.
     """
 
     architecture: str
@@ -68,6 +71,7 @@ class ConvertedMetadata:
     saved_pp: int = 1
     format_version: int = FORMAT_VERSION
     export_dtypes: dict[str, str] = field(default_factory=dict)
+    lora: dict[str, Any] | None = None
 
     def write(self, ckpt_dir: Path) -> None:
         (ckpt_dir / METADATA_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))

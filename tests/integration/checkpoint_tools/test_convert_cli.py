@@ -235,9 +235,20 @@ def _bad_other_architecture(tmp_path, converted):
             "holds Qwen3ForCausalLM, but")
 
 
+def _bad_peft_without_adapters(tmp_path, converted):
+    return (["lora-to-peft", "--ckpt", str(converted[1])],
+            "holds no LoRA adapters (its metadata has no lora settings)")
+
+
+def _bad_merge_without_adapters(tmp_path, converted):
+    return (["mcore-to-hf", "--ckpt", str(converted[1]), "--merge-lora"],
+            "--merge-lora: ")
+
+
 BAD_INPUTS = [_bad_unsupported, _bad_missing_file, _bad_corrupt_file, _bad_shape, _bad_tp_heads,
               _bad_tp_kv_heads, _bad_tp_ffn, _bad_tp_vocab, _bad_output_exists,
-              _bad_metadata_architecture, _bad_other_architecture]
+              _bad_metadata_architecture, _bad_other_architecture, _bad_peft_without_adapters,
+              _bad_merge_without_adapters]
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c.__name__[5:] for c in BAD_INPUTS])

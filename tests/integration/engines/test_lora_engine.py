@@ -7,7 +7,11 @@
   adapted weight merged: loaded into the frozen reference engine, the merged weights give the
   LoRA actor's log-probs within 1e-5 (fp32);
 - the planner's adapter count for each rank's stage (planner/shapes.py lora_stage_params) is the
-  number of adapter parameters the rank holds.
+  number of adapter parameters the rank holds;
+- the trainer's checkpoint of the updated actor, at each layout, exports with `rlhf-convert
+  lora-to-peft` to a PEFT directory that peft loads onto the HF base, and with `mcore-to-hf
+  --merge-lora` to a merged HF model: both give the actor's log-probs within 1e-4 (fp32); the
+  plain `mcore-to-hf` refuses the checkpoint in one line.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 MERGED_TOLERANCE = 1e-5
+EXPORT_TOLERANCE = 1e-4  # issue 29's bound for exports (measured: see docs/LORA.md)
 LAYOUTS = LORA.layouts
 POLICY_MOVES = 1e-3  # the smallest policy change two updates must make (measured: see the test)
 
 
-def _job(hf_dir: str) -> dict:
+def _job(hf_dir: str, ckpt_root: str) -> dict:
     from megatron.core import parallel_state
 
     from rlhf_megatron.engines import (
@@ -85,15 +90,36 @@ def _job(hf_dir: str) -> dict:
             for name, tensor in merged.items():
                 reference_params[name].copy_(tensor)
         result["merged"] = (logprobs(reference) - policy).abs().max().item()
+        actor.save_checkpoint(f"{ckpt_root}/{layout.name}", step=2)
+        result.update(policy=policy, dp_rank=parallel_state.get_data_parallel_rank(), dp=dims.dp)
         results[layout.name] = result
         destroy_layout()
     return results
 
 
+def _exported_logprobs(hf_dir: str, ckpt: str, out: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's policy log-probs of the engine batch through each export: the PEFT
+    directory on the HF base, and the merged HF model."""
+    import peft
+
+    from checkpoint_tools.__main__ import main
+    from rlhf_megatron.testing.hf_reference import hf_batch_logprobs, hf_model
+
+    batch = padded_prompt_batch(torch.Generator().manual_seed(3), 8, 14)
+    assert main(["lora-to-peft", "--ckpt", ckpt, "--out", f"{out}/peft", "--quiet"]) == 0
+    assert main(["mcore-to-hf", "--ckpt", ckpt, "--out", f"{out}/merged", "--quiet",
+                 "--merge-lora"]) == 0
+    with_peft = peft.PeftModel.from_pretrained(hf_model(hf_dir), f"{out}/peft")
+    return {"peft": hf_batch_logprobs(with_peft, batch),
+            "merged": hf_batch_logprobs(hf_model(f"{out}/merged"), batch)}
+
+
 @pytest.mark.multirank
-def test_lora_actor_reference_updates_and_merged_weights(tmp_path):
+def test_lora_actor_reference_updates_and_merged_weights(tmp_path, capsys):
+    from checkpoint_tools.__main__ import main
+
     hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", LORA.architectures[0], **LORA_SHAPE))
-    per_rank = run_on_ranks(_job, LORA.ranks, (hf_dir,), timeout_s=600)
+    per_rank = run_on_ranks(_job, LORA.ranks, (hf_dir, str(tmp_path / "ckpt")), timeout_s=600)
     for results in per_rank:
         assert sorted(results) == sorted(layout.name for layout in LAYOUTS)
         for layout, r in results.items():
@@ -104,3 +130,18 @@ def test_lora_actor_reference_updates_and_merged_weights(tmp_path):
             assert r["names"], layout
             assert r["adapter_params"] == r["planned_adapter_params"] > 0, (layout, r)
             assert r["merged"] < MERGED_TOLERANCE, (layout, r)
+    exported = {layout.name: _exported_logprobs(hf_dir, str(tmp_path / "ckpt" / layout.name),
+                                                str(tmp_path / "export" / layout.name))
+                for layout in LAYOUTS}
+    for results in per_rank:
+        for layout, r in results.items():
+            for kind, logprobs in exported[layout].items():
+                mine = logprobs.chunk(r["dp"])[r["dp_rank"]]
+                gap = (mine - r["policy"]).abs().max().item()
+                assert gap < EXPORT_TOLERANCE, (layout, kind, gap)
+    capsys.readouterr()
+    assert main(["mcore-to-hf", "--ckpt", str(tmp_path / "ckpt" / LAYOUTS[0].name),
+                 "--out", str(tmp_path / "plain"), "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--merge-lora" in error, error
+    assert not (tmp_path / "plain").exists()
