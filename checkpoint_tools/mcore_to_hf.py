@@ -50,6 +50,8 @@ from checkpoint_tools.safetensors_writer import (
     assign_shards,
 )
 from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.models.checkpoint_meta import is_megatron_checkpoint
+from rlhf_megatron.models.weights_fingerprint import check_base
 
 _LAYERS = "decoder.layers."
 
@@ -153,12 +155,22 @@ def _plan(metadata: ConvertedMetadata, sources: list[SourceTensor], table: Any,
     return work, planned
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoraMerge:
-    """The adapters to merge (HF weight name -> lora_export.Adapter) and alpha / rank."""
+    """The adapters to merge (HF weight name -> lora_adapters.Adapter), alpha / rank, and the
+    reader of the checkpoint that holds them (set once it is open)."""
 
     adapters: dict[str, Adapter]
     scale: float
+    reader: DcpReader | None = None
+
+    def merged(self, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """HF tensor `name` with its adapter merged, or cast to `dtype` when it has none."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            return tensor.to(dtype)
+        a, b = read_adapter(self.reader, adapter)
+        return merged_weight(tensor, a, b, self.scale, dtype)
 
 
 def _hf_tensors(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any,
@@ -167,12 +179,7 @@ def _hf_tensors(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any
     adapted one merged with its adapter."""
     tensor = read_source(reader, source)
     for name, hf_tensor in resolved.megatron_to_hf([tensor], ctx):
-        adapter = merge.adapters.get(name) if merge is not None else None
-        if adapter is None:
-            yield name, hf_tensor.to(dtype)
-            continue
-        a, b = read_adapter(reader, adapter)
-        yield name, merged_weight(hf_tensor, a, b, merge.scale, dtype)
+        yield name, merge.merged(name, hf_tensor, dtype) if merge else hf_tensor.to(dtype)
 
 
 def _hf_extents(reader: DcpReader, source: SourceTensor, resolved: Any, ctx: Any,
@@ -256,15 +263,28 @@ def convert_mcore_to_hf(
     dcp_metadata = read_dcp_metadata(ckpt_dir)
     sources = source_tensors(ckpt_dir, config.num_hidden_layers, dcp_metadata)
     merge = _lora_merge(ckpt_dir, metadata, sources, table, merge_lora)
-    sources = [source for source in sources if not is_lora_name(source.megatron_name)]
     out_dtype = DTYPES[dtype or metadata.dtype]  # config.json's
+    start = time.perf_counter()
+    adapter_metadata, weights_dir = dcp_metadata, ckpt_dir  # where the base weights are
+    if metadata.adapters_only:
+        weights_dir = Path(metadata.base["path"])
+        check_base(ckpt_dir, metadata.base, weights_dir)
+        if not is_megatron_checkpoint(weights_dir):
+            return _merge_into_hf(ckpt_dir, dcp_metadata, weights_dir, out, merge, metadata,
+                                  config, dtype, force=force, progress=progress)
+        dcp_metadata = read_dcp_metadata(weights_dir)
+        sources = source_tensors(weights_dir, config.num_hidden_layers, dcp_metadata)
+    sources = [source for source in sources if not is_lora_name(source.megatron_name)]
     hf_shapes = expected_hf_shapes(config)
     work, planned = _plan(metadata, sources, table, hf_shapes, DTYPES[dtype] if dtype else None)
-    start = time.perf_counter()
     with atomic_output_dir(out, force=force) as tmp:
         ctx = ShardContext(shapes)
         with tqdm(total=len(planned), desc="mcore -> hf", unit="tensor", disable=not progress) as bar:
-            reader = DcpReader(ckpt_dir, dcp_metadata)
+            reader = DcpReader(weights_dir, dcp_metadata)
+            adapter_reader = (DcpReader(ckpt_dir, adapter_metadata)
+                              if merge and weights_dir != ckpt_dir else reader)
+            if merge:
+                merge.reader = adapter_reader
             try:
                 # Byte ranges first (a few per tensor): they fix each file's header padding.
                 # Merged weights are computed, not copied.
@@ -276,11 +296,57 @@ def convert_mcore_to_hf(
                 copier = _export(reader, work, copies, ctx, writer, lambda: bar.update(1), merge)
             finally:
                 reader.close()
+                if adapter_reader is not reader:
+                    adapter_reader.close()
         writer.close()
         _write_assets(ckpt_dir, tmp, metadata, config, out_dtype)
     return {"hf_tensors": len(planned), "files": len(writer.files),
             "bytes": writer.bytes_written, "seconds": time.perf_counter() - start,
             "kernel_bytes": copier.kernel_bytes, "copy_seconds": copier.seconds}
+
+
+def _merge_into_hf(ckpt_dir: Path, dcp_metadata: Any, base_dir: Path, out: Path,
+                   merge: LoraMerge, metadata: ConvertedMetadata, config: Any, dtype: str | None,
+                   *, force: bool, progress: bool) -> dict[str, Any]:
+    """--merge-lora of an adapter-only checkpoint whose base is an HF directory: the base's
+    safetensors files rewritten one at a time (a file in memory at once), each adapted weight
+    merged, every floating tensor in `dtype` when given; then the index, config and tokenizer."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    files = sorted(base_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"the LoRA base {base_dir} has no safetensors files")
+    start, seen, written, stored = time.perf_counter(), set(), 0, None
+    with atomic_output_dir(out, force=force) as tmp:
+        merge.reader = DcpReader(ckpt_dir, dcp_metadata)
+        try:
+            for path in tqdm(files, desc="merge lora", unit="file", disable=not progress):
+                tensors = {}
+                with safe_open(str(path), "pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (safe_open is no dict)
+                        tensor = handle.get_tensor(name)
+                        keep = DTYPES[dtype] if dtype and tensor.is_floating_point() \
+                            else tensor.dtype
+                        tensors[name] = merge.merged(name, tensor, keep)
+                        stored = stored or (keep if tensor.is_floating_point() else None)
+                        seen.add(name)
+                save_file(tensors, str(tmp / path.name), metadata={"format": "pt"})
+                written += sum(t.numel() * t.element_size() for t in tensors.values())
+        finally:
+            merge.reader.close()
+        missing = sorted(set(merge.adapters) - seen)
+        if missing:
+            raise CheckpointError(f"the LoRA base {base_dir} has no {missing[0]} to merge into")
+        index = base_dir / "model.safetensors.index.json"
+        if index.is_file():
+            fields = json.loads(index.read_text())
+            fields.setdefault("metadata", {})["total_size"] = written
+            (tmp / index.name).write_text(json.dumps(fields, indent=2) + "\n")
+        _write_assets(ckpt_dir, tmp, metadata, config, stored or DTYPES[metadata.dtype])
+    return {"hf_tensors": len(seen), "files": len(files), "bytes": written,
+            "seconds": time.perf_counter() - start, "kernel_bytes": 0, "copy_seconds": 0.0}
 
 
 def _lora_merge(ckpt_dir: Path, metadata: ConvertedMetadata, sources: list[SourceTensor],

@@ -27,8 +27,8 @@ from rlhf_megatron.data.packing import (
     split_by_token_budget,
 )
 from rlhf_megatron.engines.checkpoint import (
+    load_chunk_weights,
     load_engine_checkpoint,
-    load_model_weights,
     save_engine_checkpoint,
     unwrap,
 )
@@ -43,6 +43,7 @@ from rlhf_megatron.models.builder import packs_by_cu_seqlens
 from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata, is_megatron_checkpoint
 from rlhf_megatron.models.hf_checkpoint import load_hf_config
 from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of, mapped_tensors
+from rlhf_megatron.models.weights_fingerprint import check_base
 from rlhf_megatron.parallel import ParallelDims
 from rlhf_megatron.platform import current_platform
 
@@ -151,20 +152,36 @@ class MegatronEngine:
         return load_hf_config(hf_dir)
 
     def _build_chunks(self) -> list[Any]:
+        """Base weights from `base_dir` (HF or dist-checkpoint), then a LoRA actor's adapters:
+        drawn fresh, or loaded when `hf_dir` is a LoRA run's checkpoint. An adapter-only
+        checkpoint names its base (checked by fingerprint), which becomes `base_dir`."""
         from rlhf_megatron.models.hf_load import load_hf_into_model
 
         chunks = build_model_chunks(self.args)
-        if self.from_dist_checkpoint:
-            self._apply_lora(chunks)  # a LoRA run's checkpoint holds the adapters
-            self.chunks = chunks
-            load_model_weights(self, self.hf_dir)
+        source = ConvertedMetadata.read(self.hf_dir) if self.from_dist_checkpoint else None
+        self.base_dir = self.hf_dir
+        if source is not None and source.adapters_only:
+            if self.config.lora is None or not self.trainable:
+                raise ConfigError(f"{self.hf_dir} holds LoRA adapters only: a run from it needs "
+                                  "actor.engine.lora set; for anything else export the merged "
+                                  "model (rlhf-convert mcore-to-hf --merge-lora)")
+            self.base_dir = Path(source.base["path"])
+            check_base(self.hf_dir, source.base, self.base_dir)
+        if is_megatron_checkpoint(self.base_dir):
+            load_chunk_weights(chunks, self.base_dir)
         else:
-            load_hf_into_model(chunks, self.hf_dir, self.args)
-            self._apply_lora(chunks)
+            load_hf_into_model(chunks, self.base_dir, self.args)
+        self._apply_lora(chunks)
+        if self._has_adapters and source is not None and source.lora is not None:
+            load_chunk_weights(chunks, self.hf_dir, adapters_only=True)
         return self._to_device(chunks)
 
+    @property
+    def _has_adapters(self) -> bool:
+        return self.config.lora is not None and self.trainable
+
     def _apply_lora(self, chunks: list[Any]) -> None:
-        if self.config.lora is None or not self.trainable:
+        if not self._has_adapters:
             return
         from rlhf_megatron.models.lora import apply_lora
 

@@ -2,7 +2,10 @@
 
 Layout of a checkpoint directory:
   <dir>/            the dist-checkpoint: model ("model" or "model0", "model1", ... with VPP) and,
-                    for trainable engines, "optimizer" (Megatron's sharded optimizer state)
+                    for trainable engines, "optimizer" (Megatron's sharded optimizer state). A
+                    LoRA actor saves its adapters only, with their optimizer state; the metadata
+                    names its base by path and fingerprint, and a resume on another base is
+                    refused (check_base)
   <dir>/engine_state.pt          LR scheduler state and the step (written by global rank 0)
   <dir>/rng/rank_<r>.pt          each rank's torch and Megatron-tracker RNG states
 
@@ -31,13 +34,26 @@ import torch.distributed as dist
 from rlhf_megatron.engines.optimizer_state import load_optimizer_state, sharded_optimizer_state
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.checkpoint_meta import ASSETS_DIR, ConvertedMetadata, copy_hf_assets
+from rlhf_megatron.models.weights_fingerprint import check_base, fingerprint
 
 
 def _model_sharded_state(engine: Any) -> dict[str, Any]:
+    """The model part of a save or load: every weight, or a LoRA actor's adapters only (its base
+    is frozen and comes from model.path; `_base_reference` names it)."""
     chunks = [unwrap(chunk) for chunk in engine.chunks]
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    states = [_adapters(chunk.sharded_state_dict()) if _saves_adapters_only(engine)
+              else chunk.sharded_state_dict() for chunk in chunks]
+    if len(states) == 1:
+        return {"model": states[0]}
+    return {f"model{i}": state for i, state in enumerate(states)}
+
+
+def _adapters(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if ".lora." in f".{key}"}
+
+
+def _saves_adapters_only(engine: Any) -> bool:
+    return engine.config.lora is not None and engine.trainable
 
 
 def _rng_state() -> dict[str, Any]:
@@ -125,8 +141,16 @@ def _write_conversion_metadata(engine: Any, staging: Path) -> None:
             tc.params_dtype],
         vocab_size=engine.args.vocab_size, padded_vocab_size=engine.args.padded_vocab_size,
         asset_files=assets, saved_tp=engine.dims.tp, saved_pp=engine.dims.pp,
-        lora=_lora_fields(engine),
+        lora=_lora_fields(engine), base=_base_reference(engine),
     ).write(staging)
+
+
+def _base_reference(engine: Any) -> dict[str, str] | None:
+    """{path, fingerprint} of a LoRA actor's base weights (what its adapter-only checkpoint needs
+    beside it); None for any other engine."""
+    if not _saves_adapters_only(engine):
+        return None
+    return {"path": str(engine.base_dir.resolve()), "fingerprint": fingerprint(engine.base_dir)}
 
 
 def _lora_fields(engine: Any) -> dict[str, Any] | None:
@@ -139,28 +163,25 @@ def _lora_fields(engine: Any) -> dict[str, Any] | None:
             "target_modules": list(lora.target_modules)}
 
 
-def load_model_weights(engine: Any, directory: str | Path) -> None:
-    """Load only the model weights from any Megatron dist-checkpoint of this architecture: one
-    written by `checkpoint_tools hf-to-mcore` or an engine's training checkpoint (with or without
-    optimizer state), at any layout."""
-    load_chunk_weights([unwrap(chunk) for chunk in engine.chunks], directory)
-
-
-def load_chunk_weights(chunks: list[Any], directory: str | Path) -> None:
+def load_chunk_weights(chunks: list[Any], directory: str | Path, *,
+                       adapters_only: bool = False) -> None:
     """Fill unwrapped model chunks (one per virtual pipeline stage) from a dist-checkpoint.
 
     Sharded keys are global (layer offsets included), so one load serves every chunk whatever
     layout or VPP split wrote the checkpoint. `dist_checkpointing.load` returns the template
     merged with the checkpoint's common state (a training checkpoint's optimizer param groups
     and step): only the template's own keys are kept. Stored tensors are cast to the chunks'
-    dtype on load (a bf16 checkpoint fills an fp32 engine).
+    dtype on load (a bf16 checkpoint fills an fp32 engine). `adapters_only`: the LoRA adapters
+    alone (an adapter-only checkpoint, over base weights already loaded).
     """
     from megatron.core import dist_checkpointing
 
-    template = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    template = {f"chunk{i}": _adapters(chunk.sharded_state_dict()) if adapters_only
+                else chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     loaded = dist_checkpointing.load(template, str(directory))
     for name, chunk in zip(template, chunks, strict=True):
-        chunk.load_state_dict({key: loaded[name][key] for key in template[name]})
+        _load_into(chunk, {key: loaded[name][key] for key in template[name]},
+                   adapters_only=adapters_only)
 
 
 def load_engine_checkpoint(
@@ -172,6 +193,12 @@ def load_engine_checkpoint(
     directory = Path(directory)
     if not (directory / "engine_state.pt").is_file():
         raise ConfigError(f"{directory} is not an engine checkpoint (no engine_state.pt)")
+    metadata = ConvertedMetadata.read(directory)
+    if metadata.adapters_only:
+        if not _saves_adapters_only(engine):
+            raise ConfigError(f"{directory} holds LoRA adapters only: resume it with "
+                              "actor.engine.lora set")
+        check_base(directory, metadata.base, engine.base_dir)
     template = _model_sharded_state(engine)
     want_optimizer = load_optimizer and engine.optimizer is not None
     if want_optimizer:
@@ -181,7 +208,7 @@ def load_engine_checkpoint(
     chunks = [unwrap(chunk) for chunk in engine.chunks]
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys):
-        chunk.load_state_dict(loaded[key])
+        _load_into(chunk, loaded[key], adapters_only=_saves_adapters_only(engine))
     meta = torch.load(directory / "engine_state.pt", weights_only=False)
     if want_optimizer:
         load_optimizer_state(engine.optimizer, loaded["optimizer"])
@@ -191,6 +218,17 @@ def load_engine_checkpoint(
     if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return int(meta["step"])
+
+
+def _load_into(chunk: Any, state: dict[str, Any], *, adapters_only: bool) -> None:
+    """load_state_dict, strict; with `adapters_only`, strict over the adapters (the base weights
+    are the model's own)."""
+    if not adapters_only:
+        chunk.load_state_dict(state)
+        return
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if ".lora." in f".{key}"]
+    assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
 
 
 def unwrap(chunk: Any) -> Any:

@@ -59,6 +59,9 @@ class ConvertedMetadata:
     lora: a LoRA actor's settings (rank, alpha, dropout, target_modules) when the checkpoint
         holds adapters ("...lora.a.<part>" / "...lora.b.<part>" keys beside the base weights);
         `lora-to-peft` and `mcore-to-hf --merge-lora` read them. None: no adapters.
+    base: {path, fingerprint} of the base model an adapter-only checkpoint was trained on (a LoRA
+        actor saves its adapters and their optimizer state only; models/weights_fingerprint.py).
+        None: the checkpoint holds every model weight.
     """
 
     architecture: str
@@ -72,6 +75,11 @@ class ConvertedMetadata:
     format_version: int = FORMAT_VERSION
     export_dtypes: dict[str, str] = field(default_factory=dict)
     lora: dict[str, Any] | None = None
+    base: dict[str, str] | None = None
+
+    @property
+    def adapters_only(self) -> bool:
+        return self.base is not None
 
     def write(self, ckpt_dir: Path) -> None:
         (ckpt_dir / METADATA_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))

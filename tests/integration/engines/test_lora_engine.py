@@ -8,10 +8,14 @@
   LoRA actor's log-probs within 1e-5 (fp32);
 - the planner's adapter count for each rank's stage (planner/shapes.py lora_stage_params) is the
   number of adapter parameters the rank holds;
-- the trainer's checkpoint of the updated actor, at each layout, exports with `rlhf-convert
-  lora-to-peft` to a PEFT directory that peft loads onto the HF base, and with `mcore-to-hf
-  --merge-lora` to a merged HF model: both give the actor's log-probs within 1e-4 (fp32); the
-  plain `mcore-to-hf` refuses the checkpoint in one line.
+- the trainer's checkpoint of the updated actor holds the adapters only (with their optimizer
+  state) and names its base: at PP2 the base is a converted dist-checkpoint, elsewhere the HF
+  directory. Resumed on its base, the actor's log-probs and its next update are bit-equal to
+  the original's; a run with model.path set to the checkpoint starts from the same policy; a
+  resume on another base is refused in one line;
+- each checkpoint exports with `rlhf-convert lora-to-peft` to a PEFT directory that peft loads
+  onto the HF base, and with `mcore-to-hf --merge-lora` to a merged HF model: both give the
+  actor's log-probs within 1e-4 (fp32); the plain `mcore-to-hf` refuses it in one line.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoint_tools.mcore_to_hf import read_tensor_metadata
+from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata
+from rlhf_megatron.models.lora_settings import LoraSettings
 from rlhf_megatron.testing.batches import padded_prompt_batch
 from rlhf_megatron.testing.layouts import LORA, LORA_SHAPE
 from rlhf_megatron.testing.multirank import run_on_ranks
@@ -30,7 +37,7 @@ LAYOUTS = LORA.layouts
 POLICY_MOVES = 1e-3  # the smallest policy change two updates must make (measured: see the test)
 
 
-def _job(hf_dir: str, ckpt_root: str) -> dict:
+def _job(hf_dir: str, bases: dict[str, str], other_base: str, ckpt_root: str) -> dict:
     from megatron.core import parallel_state
 
     from rlhf_megatron.engines import (
@@ -40,7 +47,7 @@ def _job(hf_dir: str, ckpt_root: str) -> dict:
         PolicyUpdateSettings,
         ReferenceEngine,
     )
-    from rlhf_megatron.models.lora_settings import LoraSettings
+    from rlhf_megatron.errors import CheckpointError
     from rlhf_megatron.parallel import destroy_layout, initialize_layout
     from rlhf_megatron.planner.shapes import ModelShape, lora_stage_params, stage_layer_indices
 
@@ -50,7 +57,8 @@ def _job(hf_dir: str, ckpt_root: str) -> dict:
         initialize_layout(dims)
         config = EngineConfig(micro_batch_size=2, lora=LoraSettings(rank=4, alpha=8.0),
                               optimizer=OptimizerSettings(name="adam", lr=1e-2, clip_grad=0.0))
-        actor = ActorEngine(config, hf_dir=hf_dir, dims=dims)
+        base = bases[layout.name]
+        actor = ActorEngine(config, hf_dir=base, dims=dims)
         reference = ReferenceEngine(config, hf_dir=hf_dir, dims=dims)
         rows = padded_prompt_batch(torch.Generator().manual_seed(3), 8, 14)
         rows = rows.chunk(dims.dp)[parallel_state.get_data_parallel_rank()]
@@ -90,8 +98,26 @@ def _job(hf_dir: str, ckpt_root: str) -> dict:
             for name, tensor in merged.items():
                 reference_params[name].copy_(tensor)
         result["merged"] = (logprobs(reference) - policy).abs().max().item()
-        actor.save_checkpoint(f"{ckpt_root}/{layout.name}", step=2)
+        ckpt = actor.save_checkpoint(f"{ckpt_root}/{layout.name}", step=2)
         result.update(policy=policy, dp_rank=parallel_state.get_data_parallel_rank(), dp=dims.dp)
+        resumed = ActorEngine(config, hf_dir=base, dims=dims)
+        result["resumed_step"] = resumed.load_checkpoint(ckpt)
+        result["resumed"] = (logprobs(resumed) - policy).abs().max().item()
+        for engine in (actor, resumed):
+            engine.update_policy(batch, PolicyUpdateSettings())
+        result["resumed_update"] = (logprobs(resumed) - logprobs(actor)).abs().max().item()
+        del resumed
+        from_ckpt = ActorEngine(config, hf_dir=str(ckpt), dims=dims)
+        result["from_ckpt"] = (logprobs(from_ckpt) - policy).abs().max().item()
+        del from_ckpt
+        if layout is LAYOUTS[0]:
+            stranger = ActorEngine(config, hf_dir=other_base, dims=dims)
+            try:
+                stranger.load_checkpoint(ckpt)
+                result["other_base"] = "loaded"
+            except CheckpointError as exc:
+                result["other_base"] = str(exc)
+            del stranger
         results[layout.name] = result
         destroy_layout()
     return results
@@ -119,7 +145,14 @@ def test_lora_actor_reference_updates_and_merged_weights(tmp_path, capsys):
     from checkpoint_tools.__main__ import main
 
     hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", LORA.architectures[0], **LORA_SHAPE))
-    per_rank = run_on_ranks(_job, LORA.ranks, (hf_dir, str(tmp_path / "ckpt")), timeout_s=600)
+    other = str(write_tiny_hf_checkpoint(tmp_path / "other", LORA.architectures[0], seed=1,
+                                         **LORA_SHAPE))
+    converted = str(tmp_path / "converted")
+    assert main(["hf-to-mcore", "--hf", hf_dir, "--out", converted, "--quiet"]) == 0
+    bases = {layout.name: converted if layout.pp > 1 else hf_dir for layout in LAYOUTS}
+    assert converted in bases.values()
+    per_rank = run_on_ranks(_job, LORA.ranks, (hf_dir, bases, other, str(tmp_path / "ckpt")),
+                            timeout_s=600)
     for results in per_rank:
         assert sorted(results) == sorted(layout.name for layout in LAYOUTS)
         for layout, r in results.items():
@@ -130,6 +163,20 @@ def test_lora_actor_reference_updates_and_merged_weights(tmp_path, capsys):
             assert r["names"], layout
             assert r["adapter_params"] == r["planned_adapter_params"] > 0, (layout, r)
             assert r["merged"] < MERGED_TOLERANCE, (layout, r)
+            assert r["resumed_step"] == 2 and r["resumed"] == 0.0, (layout, r)
+            assert r["resumed_update"] == 0.0 and r["from_ckpt"] == 0.0, (layout, r)
+        first = results[LAYOUTS[0].name]["other_base"]
+        assert first.startswith(f"{tmp_path / 'ckpt' / LAYOUTS[0].name} holds LoRA adapters "
+                                f"trained on the base {hf_dir} (sha256:"), first
+        assert "but this run's base" in first and "\n" not in first, first
+    for layout in LAYOUTS:
+        ckpt = tmp_path / "ckpt" / layout.name
+        meta = ConvertedMetadata.read(ckpt)
+        assert meta.base["path"] == bases[layout.name], layout
+        assert meta.lora == {"rank": 4, "alpha": 8.0, "dropout": 0.0,
+                             "target_modules": list(LoraSettings().target_modules)}
+        keys = [key for key in read_tensor_metadata(ckpt) if not key.startswith("optimizer")]
+        assert keys and all(".lora." in key for key in keys), (layout, keys)
     exported = {layout.name: _exported_logprobs(hf_dir, str(tmp_path / "ckpt" / layout.name),
                                                 str(tmp_path / "export" / layout.name))
                 for layout in LAYOUTS}
