@@ -28,7 +28,13 @@ from rlhf_megatron.config.offline import OFFLINE_ALGORITHMS
 from rlhf_megatron.config.roles import MEGATRON_ROLES, device_needs, megatron_roles
 from rlhf_megatron.config.schema import LayoutSpec, TrainConfig
 from rlhf_megatron.errors import ConfigError, LayoutError, RlhfMegatronError
-from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.models.checkpoint_meta import (
+    adapters_only_refusal,
+    base_weights_dir,
+    check_adapters_base,
+    hf_assets_dir,
+    is_megatron_checkpoint,
+)
 from rlhf_megatron.platform import current_platform
 from rlhf_megatron.rollout.drift import DRIFT_MODES, rollout_dtype_name
 
@@ -212,6 +218,11 @@ def _check_paths(cfg: TrainConfig) -> None:
     if not (hf_assets_dir(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path}: config.json is missing (neither an HF "
                           "checkpoint nor a Megatron checkpoint with hf_assets/config.json)")
+    base = base_weights_dir(cfg.model.path)
+    if base != Path(cfg.model.path):  # an adapter-only LoRA checkpoint
+        if cfg.actor.engine.lora is None:
+            raise ConfigError(f"model.path={adapters_only_refusal(cfg.model.path)}")
+        check_adapters_base(cfg.model.path, base)
     for key, value in paths[2:]:
         if value is not None and is_megatron_checkpoint(value):
             raise ConfigError(f"{key}={value} is a Megatron checkpoint; critic and reward model "

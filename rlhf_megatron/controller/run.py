@@ -34,7 +34,12 @@ from rlhf_megatron.controller.phases import Run
 from rlhf_megatron.data.offline_datasets import load_examples
 from rlhf_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, tokenize_prompts
 from rlhf_megatron.errors import CheckpointError, ConfigError, RlhfMegatronError, say
-from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
+from rlhf_megatron.models.checkpoint_meta import (
+    base_weights_dir,
+    check_adapters_base,
+    hf_assets_dir,
+    is_megatron_checkpoint,
+)
 from rlhf_megatron.records.checkpoint_store import CONTROLLER_STATE_FILE, CheckpointStore
 from rlhf_megatron.records.metrics import build_metrics_logger
 from rlhf_megatron.records.plot import plot_metrics
@@ -114,6 +119,8 @@ def _resume_state(cfg: TrainConfig, store: CheckpointStore,
     if path is None:
         return None
     state = store.load_controller_state(path)
+    # A LoRA actor's adapter-only checkpoint on another base than this run's.
+    check_adapters_base(path / "actor", base_weights_dir(cfg.model.path))
     if int(state.get("step", 0)) >= cfg.trainer.total_steps:
         raise ConfigError(
             f"checkpoint {path} is at step {state.get('step')}, trainer.total_steps="

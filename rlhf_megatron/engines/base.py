@@ -40,10 +40,15 @@ from rlhf_megatron.engines.optimizer_state import install_state_initialiser
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models import ARCHITECTURES, build_model_chunks, hf_to_megatron_args
 from rlhf_megatron.models.builder import packs_by_cu_seqlens
-from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata, is_megatron_checkpoint
+from rlhf_megatron.models.checkpoint_meta import (
+    ConvertedMetadata,
+    adapters_only_refusal,
+    base_weights_dir,
+    check_adapters_base,
+    is_megatron_checkpoint,
+)
 from rlhf_megatron.models.hf_checkpoint import load_hf_config
 from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of, mapped_tensors
-from rlhf_megatron.models.weights_fingerprint import check_base
 from rlhf_megatron.parallel import ParallelDims
 from rlhf_megatron.platform import current_platform
 
@@ -159,14 +164,11 @@ class MegatronEngine:
 
         chunks = build_model_chunks(self.args)
         source = ConvertedMetadata.read(self.hf_dir) if self.from_dist_checkpoint else None
-        self.base_dir = self.hf_dir
-        if source is not None and source.adapters_only:
-            if self.config.lora is None or not self.trainable:
-                raise ConfigError(f"{self.hf_dir} holds LoRA adapters only: a run from it needs "
-                                  "actor.engine.lora set; for anything else export the merged "
-                                  "model (rlhf-convert mcore-to-hf --merge-lora)")
-            self.base_dir = Path(source.base["path"])
-            check_base(self.hf_dir, source.base, self.base_dir)
+        self.base_dir = base_weights_dir(self.hf_dir)
+        if self.base_dir != self.hf_dir:
+            if not self._has_adapters:
+                raise ConfigError(adapters_only_refusal(self.hf_dir))
+            check_adapters_base(self.hf_dir, self.base_dir)
         if is_megatron_checkpoint(self.base_dir):
             load_chunk_weights(chunks, self.base_dir)
         else:

@@ -5,7 +5,7 @@ Layout of a checkpoint directory:
                     for trainable engines, "optimizer" (Megatron's sharded optimizer state). A
                     LoRA actor saves its adapters only, with their optimizer state; the metadata
                     names its base by path and fingerprint, and a resume on another base is
-                    refused (check_base)
+                    refused (checkpoint_meta.check_adapters_base)
   <dir>/engine_state.pt          LR scheduler state and the step (written by global rank 0)
   <dir>/rng/rank_<r>.pt          each rank's torch and Megatron-tracker RNG states
 
@@ -33,8 +33,13 @@ import torch.distributed as dist
 
 from rlhf_megatron.engines.optimizer_state import load_optimizer_state, sharded_optimizer_state
 from rlhf_megatron.errors import ConfigError
-from rlhf_megatron.models.checkpoint_meta import ASSETS_DIR, ConvertedMetadata, copy_hf_assets
-from rlhf_megatron.models.weights_fingerprint import check_base, fingerprint
+from rlhf_megatron.models.checkpoint_meta import (
+    ASSETS_DIR,
+    ConvertedMetadata,
+    check_adapters_base,
+    copy_hf_assets,
+)
+from rlhf_megatron.models.weights_fingerprint import fingerprint
 
 
 def _model_sharded_state(engine: Any) -> dict[str, Any]:
@@ -193,12 +198,10 @@ def load_engine_checkpoint(
     directory = Path(directory)
     if not (directory / "engine_state.pt").is_file():
         raise ConfigError(f"{directory} is not an engine checkpoint (no engine_state.pt)")
-    metadata = ConvertedMetadata.read(directory)
-    if metadata.adapters_only:
-        if not _saves_adapters_only(engine):
-            raise ConfigError(f"{directory} holds LoRA adapters only: resume it with "
-                              "actor.engine.lora set")
-        check_base(directory, metadata.base, engine.base_dir)
+    if ConvertedMetadata.read(directory).adapters_only and not _saves_adapters_only(engine):
+        raise ConfigError(f"{directory} holds LoRA adapters only: resume it with "
+                          "actor.engine.lora set")
+    check_adapters_base(directory, engine.base_dir)
     template = _model_sharded_state(engine)
     want_optimizer = load_optimizer and engine.optimizer is not None
     if want_optimizer:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.models.weights_fingerprint import check_base
 
 METADATA_FILE = "rlhf_megatron_checkpoint.json"
 ASSETS_DIR = "hf_assets"  # config.json, generation_config.json, tokenizer files of the source
@@ -103,6 +104,31 @@ class ConvertedMetadata:
         if model_type is None:
             raise CheckpointError(f"{METADATA_FILE}: hf_config has no model_type")
         return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def base_weights_dir(path: str | Path) -> Path:
+    """Where the base weights of a model directory are: the directory itself, or the base an
+    adapter-only LoRA checkpoint names."""
+    path = Path(path)
+    if is_megatron_checkpoint(path):
+        metadata = ConvertedMetadata.read(path)
+        if metadata.adapters_only:
+            return Path(metadata.base["path"])
+    return path
+
+
+def adapters_only_refusal(path: str | Path) -> str:
+    return (f"{path} holds LoRA adapters only: a run from it needs actor.engine.lora set; for "
+            "anything else export the merged model (rlhf-convert mcore-to-hf --merge-lora)")
+
+
+def check_adapters_base(ckpt_dir: str | Path, base_dir: str | Path) -> None:
+    """Refuse an adapter-only checkpoint whose recorded base is not `base_dir`'s weights (a
+    checkpoint that holds every weight passes)."""
+    ckpt_dir = Path(ckpt_dir)
+    metadata = ConvertedMetadata.read(ckpt_dir) if is_megatron_checkpoint(ckpt_dir) else None
+    if metadata is not None and metadata.adapters_only:
+        check_base(ckpt_dir, metadata.base, Path(base_dir))
 
 
 def copy_hf_assets(hf_dir: Path, dest: Path) -> list[str]:

@@ -116,3 +116,55 @@ def test_resume_checks_before_ray(tmp_path):
     _check_loader_state(PromptLoader(list(range(10)), batch_size=2, seed=0), state, path)
     with pytest.raises(CheckpointError, match=r"cannot resume from .*step_00000005.*10 prompts"):
         _check_loader_state(PromptLoader(list(range(12)), batch_size=2, seed=0), state, path)
+
+
+def _adapter_only_checkpoint(directory: Path, base: Path) -> Path:
+    from rlhf_megatron.models.checkpoint_meta import ASSETS_DIR, ConvertedMetadata
+    from rlhf_megatron.models.weights_fingerprint import fingerprint
+
+    (directory / ASSETS_DIR).mkdir(parents=True)
+    (directory / ASSETS_DIR / "config.json").write_text("{}")
+    ConvertedMetadata(architecture="LlamaForCausalLM", hf_config={}, dtype="fp32", vocab_size=8,
+                      padded_vocab_size=128, asset_files=["config.json"],
+                      lora={"rank": 8, "alpha": 16.0, "dropout": 0.0,
+                            "target_modules": ["linear_qkv"]},
+                      base={"path": str(base), "fingerprint": fingerprint(base)}
+                      ).write(directory)
+    return directory
+
+
+def _weights(directory: Path, value: float) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    save_file({"w": torch.full((4, 4), value)}, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_an_adapter_only_checkpoint_on_another_base_is_refused_before_ray(tmp_path):
+    """A LoRA run's checkpoint names its base: resuming it, or starting from it, on other base
+    weights is one line before any worker starts; starting from it without LoRA too."""
+    from rlhf_megatron.config.validate import _check_paths
+    from rlhf_megatron.controller.run import _resume_state
+    from rlhf_megatron.errors import CheckpointError
+    from rlhf_megatron.records.checkpoint_store import CheckpointStore
+
+    base, other = _weights(tmp_path / "base", 1.0), _weights(tmp_path / "other", 2.0)
+    store = CheckpointStore(tmp_path / "ckpts", keep_last=0)
+    staging = store.begin(2)
+    _adapter_only_checkpoint(staging / "actor", base)
+    path = store.commit(2, staging, {"step": 2})
+    lora = ["actor.engine.lora.rank=8", "trainer.total_steps=4"]
+    _resume_state(load_config(QUICKSTART, [f"model.path={base}", *lora]), store, path)
+    with pytest.raises(CheckpointError, match=rf"actor holds LoRA adapters trained on the base "
+                                              rf"{base} \(sha256:.*but this run's base {other}"):
+        _resume_state(load_config(QUICKSTART, [f"model.path={other}", *lora]), store, path)
+    actor = path / "actor"
+    with pytest.raises(ConfigError, match=rf"model.path={actor} holds LoRA adapters only: a run "
+                                          "from it needs actor.engine.lora set"):
+        _check_paths(load_config(QUICKSTART, [f"model.path={actor}"]))
+    base.rename(tmp_path / "gone")
+    with pytest.raises(CheckpointError, match=rf"trained on the base {base}, and {base} does "
+                                              "not exist"):
+        _check_paths(load_config(QUICKSTART, [f"model.path={actor}", *lora]))
