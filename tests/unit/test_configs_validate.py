@@ -43,7 +43,7 @@ ASSETS = {
 }
 # configs whose assets are built here without weights (35 s to write the real model's): their
 # validation must stop at the missing weights, before Ray (config/model_files.py)
-WEIGHTLESS = {"quickstart_real_cpu.yaml"}
+WEIGHTLESS = {"quickstart_real_cpu.yaml", "quickstart_real_lora_cpu.yaml"}
 # stage 2 of the tools quickstart starts from stage 1's checkpoint, which only a 400-step SFT run
 # writes; its hf_assets/config.json is a copy of the stage-1 model's, which the check reads instead
 STAGE_TWO = {"quickstart_tools_cpu.yaml": "quickstart_tools_assets/model/config.json"}
