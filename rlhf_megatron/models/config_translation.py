@@ -258,7 +258,7 @@ def hf_to_megatron_args(
     if gpt_oss:
         arch_fields = gpt_oss_transformer_kwargs(
             hf_config, head_dim_of(hf_config),
-            rope_scaling if isinstance(rope_scaling, YarnRopeScaling) else None)
+            rope_scaling if isinstance(rope_scaling, YarnRopeScaling) else None, tp=dims.tp)
     else:
         _check_sliding_window(hf_config, max_sequence_length)
     # Multi-latent attention keeps the local spec (SDPA core attention) on GPU too: Megatron's TE

@@ -21,7 +21,9 @@ HF field (`GptOssConfig`) -> Megatron:
   factor (0.1 ln(factor) + 1, which HF multiplies into cos and sin, so into q and k) becomes
   softmax_scale = factor^2 / sqrt(head_dim); sinks are not scaled, on either side.
 
-Refused in one line: attention_bias=False (add_bias_linear would bias the experts but not
+Refused in one line: tp > 1 (Megatron-Core 0.16 asserts "Bias in Moe is only supported when
+ETP==1", and expert-TP 1 under TP 2, experts whole on every TP rank, is not wired into the
+mapping, the dispatcher's TP gradient fix or the refit here), attention_bias=False (add_bias_linear would bias the experts but not
 q/k/v/o, or neither), swiglu_alpha != 1.702, a quantized checkpoint (MXFP4: dequantize it to
 bf16 first), layer types other than sliding/full attention, a YaRN attention_factor given
 explicitly together with mscale fields.
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.errors import ConfigError, LayoutError
 
 GPT_OSS = "GptOssForCausalLM"
 # Megatron's quick_gelu is x * sigmoid(1.702 x), a constant.
@@ -128,11 +130,15 @@ def yarn_rope_scaling(rope: dict[str, Any]) -> YarnRopeScaling:
         rope_theta=float(rope["rope_theta"]))
 
 
-def gpt_oss_transformer_kwargs(cfg: Any, head_dim: int,
-                               yarn: YarnRopeScaling | None) -> dict[str, Any]:
+def gpt_oss_transformer_kwargs(cfg: Any, head_dim: int, yarn: YarnRopeScaling | None, *,
+                               tp: int) -> dict[str, Any]:
     """The TransformerConfig fields that make Megatron's GPT layer gpt-oss's (module docstring);
     they override the Llama-like defaults of `hf_to_megatron_args`."""
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    if tp > 1:
+        raise LayoutError(f"tp={tp} is unsupported for {GPT_OSS}: Megatron-Core 0.16 allows "
+                          "biased experts only at expert-TP 1 (use tp=1 with ep and pp)")
 
     sliding = [int(kind == "sliding_attention") for kind in cfg.layer_types]
     kwargs: dict[str, Any] = dict(

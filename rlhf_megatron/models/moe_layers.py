@@ -12,12 +12,10 @@ differs in two ways:
   group only. The cost is tp-fold expert compute; the engines here keep sequence parallelism off.
 - It keeps the last forward's expert load (tokens routed to each expert), for the per-layer
   load metrics (`expert_load`).
-- Experts with biases (gpt-oss): Megatron's expert MLP adds the fc2 bias (times the routing
-  weight) to each expert-TP rank's partial output, which the combine then sums over expert-TP:
-  the bias came out tp times. Each rank adds bias / tp (`_expert_fc2_bias_hook`); its gradient is
-  then whole on every rank, so the bias is left out of the 1/tp gradient correction above. The
-  same MLP adds the bias in place to the output of the TP region's identity at TP1 x EP1, which
-  autograd refuses (a view of a custom Function's input): that output is copied first.
+- Experts with biases (gpt-oss; Megatron allows them at expert-TP 1 only, so gpt-oss runs at
+  TP 1): Megatron's expert MLP adds the fc2 bias in place to the output of the TP region's
+  identity at TP1 x EP1, which autograd refuses (a view made inside a custom Function); that
+  output is copied first (`_expert_fc2_bias_hook`).
 
 `moe_block_spec` builds the per-layer specs (dense or MoE by `moe_layer_freq`) for this pipeline
 stage, with the same SDPA / lean modules the dense builder uses for attention.
@@ -39,15 +37,13 @@ _NO_STREAM = object()
 
 
 def _expert_fc2_bias_hook(module: Any, inputs: Any, outputs: Any) -> Any:
-    """Forward hook of an expert's `linear_fc2` (skip_bias_add: returns (output, bias)): the bias
-    divided by the expert-TP size, and the output copied where it is the identity's view."""
+    """Forward hook of a biased expert's `linear_fc2` (skip_bias_add: it returns (output, bias)):
+    the output copied where it is the TP region identity's view (no expert communication), so
+    that Megatron's MLP may add the weighted bias to it in place."""
     output, bias = outputs
-    if bias is None:
+    if bias is None or module.explicit_expert_comm:
         return outputs
-    if not module.explicit_expert_comm:
-        output = output.clone()
-    tp = module.tp_group.size()
-    return output, (bias / tp if tp > 1 else bias)
+    return output.clone(), bias
 
 
 class CpuAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -144,9 +140,8 @@ class RlhfMoELayer(MoELayer):
             # The dispatcher all-gathers the (identical) tokens of the tp ranks, so each expert
             # shard sees every token tp times and its gradient comes out tp times too large.
             tp = self.attn_tp_group.size()
-            for name, param in self.experts.named_parameters():
-                if not name.endswith("linear_fc2.bias"):  # see the module docstring
-                    param.register_hook(lambda grad, tp=tp: grad / tp)
+            for param in self.experts.parameters():
+                param.register_hook(lambda grad, tp=tp: grad / tp)
         for expert in getattr(self.experts, "local_experts", ()):  # SequentialMLP
             if expert.linear_fc2.bias is not None:
                 expert.linear_fc2.register_forward_hook(_expert_fc2_bias_hook)
