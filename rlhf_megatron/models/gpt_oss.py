@@ -51,8 +51,10 @@ def is_gpt_oss(hf_config: Any) -> bool:
 
 def check_gpt_oss(cfg: Any) -> None:
     """ConfigError for what the translation below cannot reproduce exactly."""
-    if getattr(cfg, "quantization_config", None):
-        method = dict(cfg.quantization_config).get("quant_method")
+    quantization = getattr(cfg, "quantization_config", None)
+    if quantization:
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", type(quantization).__name__))
         raise ConfigError(f"quantization_config ({method!r}) is unsupported for {GPT_OSS}: "
                           "dequantize the checkpoint to bf16 first")
     if not getattr(cfg, "attention_bias", True):
