@@ -110,9 +110,15 @@ def logprob_tolerance(dtype: str, num_layers: int, logit_rms: float, noise: floa
 def _noise_probe(model: Any, tokens: torch.Tensor, reference: torch.Tensor, dtype: str) -> float:
     """HF's own rounding noise on `tokens`: max |log-prob diff| between the fp32 eager reference
     and the same model run another valid way, in place (no second copy): for fp32 with the SDPA
-    attention kernel, for bf16 / fp16 in that dtype (what the Megatron side computes in)."""
+    attention kernel (row by row for a model that has only eager attention), for bf16 / fp16 in
+    that dtype (what the Megatron side computes in)."""
     if dtype == "fp32":
-        model.set_attn_implementation("sdpa")
+        try:
+            model.set_attn_implementation("sdpa")
+        except ValueError:  # eager attention only (gpt-oss): the other way is one row at a time
+            with torch.no_grad():
+                probe = torch.cat([model(row[None]).logits.float() for row in tokens])
+            return compare_logits(reference, probe).max_logprob_diff
     else:
         model.to(DTYPES[dtype])
     with torch.no_grad():

@@ -13,6 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.models.gpt_oss import (
+    YarnRopeScaling,
+    gpt_oss_transformer_kwargs,
+    is_gpt_oss,
+    yarn_rope_scaling,
+)
 from rlhf_megatron.models.moe_config import (
     is_moe_config,
     moe_shape,
@@ -39,7 +45,7 @@ class MegatronModelArgs:
     padded_vocab_size: int
     max_sequence_length: int
     rotary_base: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None
     tie_word_embeddings: bool
     use_te_spec: bool
     # Share of each head's dimensions that RoPE rotates (the first ones; GLM-4.5: 0.5).
@@ -105,10 +111,14 @@ class Llama3RopeScaling:
         return torch.where(wavelength < original / self.high_freq_factor, inv_freq, scaled)
 
 
-def _rope_scaling(params: dict[str, Any]) -> Llama3RopeScaling | None:
+def _rope_scaling(params: dict[str, Any], *, yarn: bool = False
+                  ) -> Llama3RopeScaling | YarnRopeScaling | None:
+    """The RoPE frequency scaling of `params`: none, Llama 3.1's or (yarn: gpt-oss) YaRN's."""
     rope_type = params["rope_type"]
     if rope_type == "default":
         return None
+    if yarn and rope_type == "yarn":
+        return yarn_rope_scaling(params)
     if rope_type != "llama3":
         raise ConfigError(
             f"rope scaling {params!r} is unsupported (default or Llama 3.1 llama3 only)"
@@ -238,16 +248,28 @@ def hf_to_megatron_args(
     moe = _moe_kwargs(hf_config, dims, is_cuda=platform.is_cuda)
     ffn_hidden_size = moe.pop("ffn_hidden_size", hf_config.intermediate_size)
     max_sequence_length = max_sequence_length or hf_config.max_position_embeddings
-    _check_sliding_window(hf_config, max_sequence_length)
     rope = _rope_parameters(hf_config)
     mla = _mla_kwargs(hf_config, rope) if uses_mla(hf_config) else {}
+    gpt_oss = is_gpt_oss(hf_config)
+    rope_scaling = None if mla else _rope_scaling(rope, yarn=gpt_oss)
+    # The fields of Megatron's GPT layer that make it the architecture's, over the Llama-like
+    # ones below: MLA's, or gpt-oss's (biases, clamped SwiGLU, sinks, windows: models/gpt_oss.py).
+    arch_fields = dict(mla)
+    if gpt_oss:
+        arch_fields = gpt_oss_transformer_kwargs(
+            hf_config, head_dim_of(hf_config),
+            rope_scaling if isinstance(rope_scaling, YarnRopeScaling) else None, tp=dims.tp)
+    else:
+        _check_sliding_window(hf_config, max_sequence_length)
     # Multi-latent attention keeps the local spec (SDPA core attention) on GPU too: Megatron's TE
     # spec duplicates MLA's down-projections on every TP rank, which neither the mapping table
     # (column-parallel down-projections) nor models/mla_layers.py's TP gradient fix covers yet.
-    use_te = platform.is_cuda and transformer_engine_available() and not mla and not local_spec
+    # gpt-oss too: its sinks and sliding windows are built and checked in our SDPA attention only.
+    use_te = (platform.is_cuda and transformer_engine_available() and not mla and not gpt_oss
+              and not local_spec)
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                  "recompute_num_layers": 1} if recompute_activations else {}
-    config = (MLATransformerConfig if mla else TransformerConfig)(
+    fields = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=ffn_hidden_size,
@@ -292,15 +314,16 @@ def hf_to_megatron_args(
         moe_token_dispatcher_type="alltoall",
         **recompute,
         **moe,
-        **mla,
     )
+    fields.update(arch_fields)
+    config = (MLATransformerConfig if mla else TransformerConfig)(**fields)
     return MegatronModelArgs(
         transformer_config=config,
         vocab_size=hf_config.vocab_size,
         padded_vocab_size=pad_vocab_size(hf_config.vocab_size, dims.tp, vocab_divisor),
         max_sequence_length=max_sequence_length,
         rotary_base=float(rope["rope_theta"]),
-        rope_scaling=None if mla else _rope_scaling(rope),
+        rope_scaling=rope_scaling,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         use_te_spec=use_te,
         rotary_percent=_rotary_percent(rope, head_dim_of(hf_config)),

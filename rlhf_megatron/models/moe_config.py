@@ -38,6 +38,10 @@ GLM-4.5 (Glm4MoeForCausalLM) and DeepSeek-V3 (DeepseekV3ForCausalLM), the same r
 - first_k_dense_replace: layers 0..k-1 dense (intermediate_size), the rest MoE.
 - n_shared_experts x moe_intermediate_size: an ungated shared expert added to the routed output.
 - no load-balancing loss (GLM-4.5 has none).
+
+gpt-oss (GptOssForCausalLM; the rest of it in models/gpt_oss.py): every layer MoE, num_local_experts
+experts of FFN intermediate_size; its router takes the top k of the (biased) logits and a softmax
+over those k, which is Megatron's softmax router with pre_softmax=False (norm_topk_prob True).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from typing import Any
 from rlhf_megatron.errors import ConfigError, LayoutError
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                     "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+                     "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 # The families routed by sigmoid scores with an expert bias (`_sigmoid_router_shape`).
 SIGMOID_ROUTER_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -113,6 +117,10 @@ def moe_shape(hf_config: Any) -> MoeShape:
         raise ConfigError(f"num_experts_per_tok={topk} must be in [1, {experts}]")
     if arch in SIGMOID_ROUTER_ARCHITECTURES:
         return _sigmoid_router_shape(hf_config, experts, topk)
+    if arch == "GptOssForCausalLM":
+        return MoeShape(experts, topk, int(hf_config.intermediate_size),
+                        int(hf_config.intermediate_size), (1,) * num_layers, True,
+                        float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
     if arch == "MixtralForCausalLM":
         jitter = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
         if jitter:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_megatron.models.decoders import _check_llama, _check_llama_like, _check_qwen3
+from rlhf_megatron.models.gpt_oss import check_gpt_oss
+from rlhf_megatron.models.gpt_oss_mapping import gpt_oss_table_for
 from rlhf_megatron.models.mapping_tables import moe_table_for
 from rlhf_megatron.models.moe_config import moe_shape
 from rlhf_megatron.models.registry import ARCHITECTURES, ArchitectureSpec, require
@@ -92,4 +94,17 @@ DEEPSEEK_V3 = ARCHITECTURES.register(
     ArchitectureSpec("DeepseekV3ForCausalLM", qkv_bias=lambda cfg: False,
                      qk_layernorm=lambda cfg: True,  # MLA's q_a / kv_a latent norms
                      check_config=_check_deepseek_v3, mapping_table=moe_table_for)
+)
+
+
+def _check_gpt_oss(cfg: Any) -> None:
+    """gpt-oss: sinks, alternating sliding windows, biases everywhere, the clamped SwiGLU
+    (models/gpt_oss.py); its router in models/moe_config.py."""
+    check_gpt_oss(cfg)
+    _check_moe(cfg)
+
+
+GPT_OSS = ARCHITECTURES.register(
+    ArchitectureSpec("GptOssForCausalLM", qkv_bias=lambda cfg: True,
+                     check_config=_check_gpt_oss, mapping_table=gpt_oss_table_for)
 )

@@ -12,6 +12,10 @@ differs in two ways:
   group only. The cost is tp-fold expert compute; the engines here keep sequence parallelism off.
 - It keeps the last forward's expert load (tokens routed to each expert), for the per-layer
   load metrics (`expert_load`).
+- Experts with biases (gpt-oss; Megatron allows them at expert-TP 1 only, so gpt-oss runs at
+  TP 1): Megatron's expert MLP adds the fc2 bias in place to the output of the TP region's
+  identity at TP1 x EP1, which autograd refuses (a view made inside a custom Function); that
+  output is copied first (`_expert_fc2_bias_hook`).
 
 `moe_block_spec` builds the per-layer specs (dense or MoE by `moe_layer_freq`) for this pipeline
 stage, with the same SDPA / lean modules the dense builder uses for attention.
@@ -30,6 +34,16 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from rlhf_megatron.models.lean_spec import use_lean_local_modules
 
 _NO_STREAM = object()
+
+
+def _expert_fc2_bias_hook(module: Any, inputs: Any, outputs: Any) -> Any:
+    """Forward hook of a biased expert's `linear_fc2` (skip_bias_add: it returns (output, bias)):
+    the output copied where it is the TP region identity's view (no expert communication), so
+    that Megatron's MLP may add the weighted bias to it in place."""
+    output, bias = outputs
+    if bias is None or module.explicit_expert_comm:
+        return outputs
+    return output.clone(), bias
 
 
 class CpuAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -128,6 +142,9 @@ class RlhfMoELayer(MoELayer):
             tp = self.attn_tp_group.size()
             for param in self.experts.parameters():
                 param.register_hook(lambda grad, tp=tp: grad / tp)
+        for expert in getattr(self.experts, "local_experts", ()):  # SequentialMLP
+            if expert.linear_fc2.bias is not None:
+                expert.linear_fc2.register_forward_hook(_expert_fc2_bias_hook)
         # Training-side routing replay (models/moe_replay.py); Megatron's own replay object is
         # only created with config.moe_enable_routing_replay, which stays off.
         self.replay_hook = RoutingReplayHook()

@@ -118,6 +118,16 @@ class ParamMapping:
     ) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def bind(self, indices: Sequence[str]) -> ParamMapping:
+        """This mapping for one concrete Megatron name; `indices` are the values of its pattern's
+        `*`s. Mappings whose HF patterns have fewer `*`s than the Megatron one (one HF tensor
+        holding every expert of a layer: gpt-oss) keep the rest here; the others need none."""
+        return self
+
+    def exported_name(self, role: str, hf_name: str) -> str:
+        """The name `megatron_to_hf` writes role `role` under (the HF name it reads, by default)."""
+        return hf_name
+
 
 @dataclass(frozen=True)
 class DirectMapping(ParamMapping):
@@ -243,8 +253,11 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
 
 
 def _fill(pattern: str, groups: Sequence[str]) -> str:
+    """`pattern` with its `*`s filled by the first groups (an HF pattern may leave the last
+    Megatron indices, e.g. the expert, to the bound mapping: `ParamMapping.bind`)."""
     parts = pattern.split("*")
-    assert len(parts) == len(groups) + 1, (pattern, groups)
+    assert len(parts) <= len(groups) + 1, (pattern, groups)
+    groups = groups[:len(parts) - 1]
     return "".join(p + g for p, g in zip(parts, [*groups, ""]))
 
 
@@ -266,7 +279,8 @@ class ResolvedMapping:
     ) -> list[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) pairs, in role order, from all TP shards of this parameter."""
         tensors = self.mapping.megatron_to_hf(shards, ctx)
-        return [(self.hf_names[role], tensors[role]) for role in self.mapping.hf]
+        return [(self.mapping.exported_name(role, self.hf_names[role]), tensors[role])
+                for role in self.mapping.hf]
 
 
 class MappingTable:
@@ -285,5 +299,5 @@ class MappingTable:
             match = regex.match(megatron_name)
             if match:
                 hf_names = {role: _fill(p, match.groups()) for role, p in mapping.hf.items()}
-                return ResolvedMapping(mapping, megatron_name, hf_names)
+                return ResolvedMapping(mapping.bind(match.groups()), megatron_name, hf_names)
         return None

@@ -19,6 +19,16 @@ signature and output layout) that hands the whole softmax(QK^T * scale) V to SDP
   supports that (CPU flash; CUDA flash in fp16/bf16). Elsewhere (CUDA fp32 or masked, which run the
   memory-efficient kernel) K/V are repeated first, as Megatron does.
 
+- Attention sinks (`softmax_type="learnable"`, gpt-oss): one learnable logit per head joins
+  every query's softmax and carries no value: p = softmax([q k_j * scale ..., sink_h]) without
+  the last column. SDPA is given one more key per head whose score is that logit: q gets an
+  extra coordinate 1, the real keys 0 and the sink key sink_h / scale (its value is zero), so
+  the sink's gradient comes from SDPA's own backward. K/V are repeated to the query heads.
+- Sliding windows (`window_size=(w, 0)` on the layers `window_attn_skip_freq` marks, gpt-oss's
+  alternating layers): query i sees keys i - w .. i (Megatron's convention; HF's
+  `sliding_window` is w + 1). Both run with an explicit (sq, sk) bool mask per call (per packed
+  row), O(s^2) bytes; context parallelism with either is refused.
+
 Scale: `softmax_scale` (default 1/sqrt(head_dim)). `apply_query_key_layer_scaling` does not change
 it: Megatron divides the scores by the layer number and multiplies them back inside its fp32
 softmax, which only changes rounding.
@@ -74,6 +84,42 @@ def _sdpa(
     )
 
 
+def _sinks_and_window(
+    query: Tensor, key: Tensor, value: Tensor, *, scale: float, causal: bool,
+    allowed: Tensor | None, sinks: Tensor | None, window: int | None, dropout_p: float,
+) -> Tensor:
+    """SDPA with attention sinks and/or a left window (see the module docstring).
+
+    query [b, np, sq, hn], key/value [b, ng, sk, hn] -> [b, np, sq, hn]; sinks (np,) logits;
+    window: query i sees keys i - window .. i; allowed: bool, broadcastable to [b, np, sq, sk],
+    True = may attend (it replaces the causal rule).
+    """
+    sq, sk = query.shape[2], key.shape[2]
+    device = query.device
+    if allowed is None:
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        if causal:
+            allowed = allowed.tril(sk - sq)
+    if window is not None:
+        rows = torch.arange(sk - sq, sk, device=device)[:, None]
+        allowed = allowed & (rows - torch.arange(sk, device=device)[None, :] <= window)
+    if sinks is None:
+        return _sdpa(query, key, value, scale=scale, causal=False, allowed=allowed,
+                     dropout_p=dropout_p)
+    b, heads, _, hn = query.shape
+    groups = heads // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    query = torch.cat([query, query.new_ones(b, heads, sq, 1)], dim=-1)
+    sink_key = torch.cat([key.new_zeros(heads, hn), (sinks.to(key.dtype) / scale)[:, None]], -1)
+    key = torch.cat([torch.cat([key, key.new_zeros(b, heads, sk, 1)], dim=-1),
+                     sink_key[None, :, None, :].expand(b, -1, -1, -1)], dim=2)
+    value = torch.cat([value, value.new_zeros(b, heads, 1, value.shape[-1])], dim=2)
+    allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)
+    return _sdpa(query, key, value, scale=scale, causal=False, allowed=allowed,
+                 dropout_p=dropout_p)
+
+
 def sdpa_core_attention(
     query: Tensor,
     key: Tensor,
@@ -84,6 +130,8 @@ def sdpa_core_attention(
     mask: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     dropout_p: float = 0.0,
+    sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """softmax(Q K^T * scale [+ mask]) V in Megatron's layouts.
 
@@ -93,11 +141,14 @@ def sdpa_core_attention(
         itself. Tokens past cu_seqlens[-1] (padding) get zeros.
     mask: bool, broadcastable to [b, np, sq, sk], True = masked (Megatron's convention); it
         replaces the causal rule, as in Megatron's local attention.
+    sinks: (np,) attention-sink logits of this rank's heads; window: query i sees only keys
+        i - window .. i (both: see the module docstring).
     """
+    extra = {"sinks": sinks, "window": window}
     if cu_seqlens is not None:
         if mask is not None:
             raise ValueError("packed (thd) attention takes cu_seqlens or a mask, not both")
-        return _packed_attention(query, key, value, scale, causal, cu_seqlens, dropout_p)
+        return _packed_attention(query, key, value, scale, causal, cu_seqlens, dropout_p, **extra)
     if causal and mask is None and query.shape[0] != key.shape[0]:
         raise ValueError(
             f"causal attention needs as many queries as keys, got {query.shape[0]} and "
@@ -106,14 +157,19 @@ def sdpa_core_attention(
     # [s, b, heads, hn] -> [b, heads, s, hn]: a view; SDPA reads the strides.
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     allowed = None if mask is None else ~mask.to(torch.bool)
-    out = _sdpa(q, k, v, scale=scale, causal=causal, allowed=allowed, dropout_p=dropout_p)
+    if sinks is None and window is None:
+        out = _sdpa(q, k, v, scale=scale, causal=causal, allowed=allowed, dropout_p=dropout_p)
+    else:
+        out = _sinks_and_window(q, k, v, scale=scale, causal=causal, allowed=allowed,
+                                dropout_p=dropout_p, **extra)
     sq, b = query.shape[0], query.shape[1]
     return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def _packed_attention(
     query: Tensor, key: Tensor, value: Tensor, scale: float, causal: bool,
-    cu_seqlens: Tensor, dropout_p: float,
+    cu_seqlens: Tensor, dropout_p: float, *, sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """One SDPA call per packed row: [t, np, hn] x [t, ng, hn] -> [t, np * hn]."""
     bounds = [int(x) for x in cu_seqlens.tolist()]
@@ -124,7 +180,11 @@ def _packed_attention(
             continue
         # [L, heads, hn] -> [1, heads, L, hn]
         q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        out = _sdpa(q, k, v, scale=scale, causal=causal, dropout_p=dropout_p)
+        if sinks is None and window is None:
+            out = _sdpa(q, k, v, scale=scale, causal=causal, dropout_p=dropout_p)
+        else:
+            out = _sinks_and_window(q, k, v, scale=scale, causal=causal, allowed=None,
+                                    sinks=sinks, window=window, dropout_p=dropout_p)
         pieces.append(out.squeeze(0).transpose(0, 1))  # [L, np, hn]
     if bounds[-1] < total:  # padding after the last row
         pieces.append(query.new_zeros(total - bounds[-1], query.shape[1], value.shape[-1]))
@@ -156,7 +216,8 @@ class SDPAttention(MegatronModule):
         from megatron.core.utils import divide
 
         super().__init__(config=config)
-        _check_supported(config, layer_number, is_layer_window_attention)
+        # Query i of a sliding-window layer sees keys i - window .. i (None: every earlier key).
+        self.window = _window_of(config, layer_number, is_layer_window_attention)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -185,6 +246,35 @@ class SDPAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        if config.softmax_type == "learnable":
+            self._add_attention_sinks(config)
+        else:
+            self.softmax_offset = None
+
+    def _add_attention_sinks(self, config: Any) -> None:
+        """The learnable per-head sink logits of this rank's heads, (np / tp,): Megatron's name
+        (`softmax_offset`), init and TP split (by head, as its unfused attention)."""
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.softmax_offset = torch.nn.Parameter(torch.empty(
+            self.num_attention_heads_per_partition, dtype=config.params_dtype))
+        if config.perform_initialization:
+            config.init_method(self.softmax_offset)
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> Any:
+        """The sink logits split by head over TP (Megatron's DotProductAttention's entry)."""
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = {} if self.softmax_offset is None else self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"])
 
     def forward(
         self,
@@ -216,7 +306,8 @@ class SDPAttention(MegatronModule):
                                               cu_seqlens, dropout_p)
             return sdpa_core_attention(
                 query, key, value, scale=self.softmax_scale, causal=causal, mask=attention_mask,
-                cu_seqlens=cu_seqlens, dropout_p=dropout_p,
+                cu_seqlens=cu_seqlens, dropout_p=dropout_p, sinks=self.softmax_offset,
+                window=self.window,
             )
 
         if dropout_p > 0.0 and not self.config.sequence_parallel:
@@ -234,6 +325,9 @@ class SDPAttention(MegatronModule):
         if mask is not None or not causal:
             raise ValueError("context-parallel SDPA attention supports causal attention without "
                              "an explicit mask only")
+        if self.softmax_offset is not None or self.window is not None:
+            raise ConfigError("context parallelism is unsupported with attention sinks or "
+                              "sliding windows (gpt-oss) in the SDPA core attention")
         return cp_attention(query, key, value, scale=self.softmax_scale, group=self.cp_group,
                             sdpa=_sdpa, cu_seqlens_padded=cu_seqlens, dropout_p=dropout_p)
 
@@ -246,17 +340,21 @@ def _cu_seqlens(packed_seq_params: Any) -> Tensor | None:
     return padded if padded is not None else packed_seq_params.cu_seqlens_q
 
 
-def _check_supported(config: Any, layer_number: int, is_window_layer: Any) -> None:
-    """Refuse the attention variants SDPA cannot express (each names the config field)."""
-    if config.softmax_type != "vanilla":
-        raise ConfigError(
-            f"softmax_type={config.softmax_type!r}: the SDPA core attention supports 'vanilla' only"
-        )
-    if is_window_layer(config.window_size, config.window_attn_skip_freq, layer_number):
-        raise ConfigError(
-            f"window_size={config.window_size}: sliding-window attention is not supported by the "
-            "SDPA core attention"
-        )
+def _window_of(config: Any, layer_number: int, is_window_layer: Any) -> int | None:
+    """The left window of this layer (None: full causal attention); refuses in one line the
+    attention variants SDPA does not express, naming the config field."""
+    if config.softmax_type not in ("vanilla", "learnable"):
+        raise ConfigError(f"softmax_type={config.softmax_type!r}: the SDPA core attention "
+                          "supports 'vanilla' and 'learnable' (attention sinks) only")
+    if not is_window_layer(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    left, right = config.window_size
+    if right != 0 or left < 0:
+        raise ConfigError(f"window_size={config.window_size}: the SDPA core attention supports "
+                          "causal left windows (w, 0) with w >= 0 only")
+    if config.context_parallel_size > 1:
+        raise ConfigError("context parallelism is unsupported with sliding-window attention")
+    return int(left)
 
 
 # --------------------------------------------------------------------------- GPU check support

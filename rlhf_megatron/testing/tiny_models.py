@@ -17,7 +17,7 @@ TINY_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
 # Mixture-of-experts families (4 experts, top-2): their HF modules hold fused expert tensors in
 # memory while checkpoints store them per expert, so they are kept apart from the dense list.
 TINY_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
-                          "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+                          "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 
 _CORPUS_WORDS = (
     "the quick brown fox jumps over the lazy dog while a model learns to add numbers "
@@ -67,6 +67,7 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
         "MixtralForCausalLM": transformers.MixtralConfig,
         "Glm4MoeForCausalLM": transformers.Glm4MoeConfig,
         "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
+        "GptOssForCausalLM": transformers.GptOssConfig,
     }
     if architecture not in config_classes:
         raise ValueError(f"no tiny config for {architecture!r}; known: {sorted(config_classes)}")
@@ -103,6 +104,13 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
                       norm_topk_prob=True, first_k_dense_replace=1, num_key_value_heads=4,
                       q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
                       v_head_dim=32, head_dim=32, rope_interleave=True)
+    # gpt-oss: 4 experts top-2 with biases, sinks, layers 0 and 2 sliding over 4 tokens (shorter
+    # than the tests' rows), and a SwiGLU clamp of 0.5, inside the range of the tiny model's
+    # gate/up values (about +-1.5), so that the clamp, like everything else, moves the logits.
+    if architecture == "GptOssForCausalLM":
+        fields.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                      sliding_window=4, swiglu_limit=0.5, router_aux_loss_coef=0.0,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     fields.update(overrides)
     return config_classes[architecture](**fields)
 
@@ -166,7 +174,7 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+            if "norm" in name or name.endswith((".bias", "_bias")):  # gpt-oss: gate_up_proj_bias
                 param.add_(0.1 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
         # A sigmoid router's expert bias (a buffer, zero at init) moves which experts are chosen.
         for name, buffer in model.named_buffers():

@@ -1,7 +1,8 @@
 """Tiny Qwen3-MoE and Mixtral (4 experts, top-2, GQA, head_dim 32), GLM-4.5 (8 experts in 2
 groups, sigmoid router with expert bias and scaling, shared expert, partial RoPE) and DeepSeek-V3
-(the same router with multi-latent attention; with and without YaRN) on Megatron at every MoE
-layout.
+(the same router with multi-latent attention; with and without YaRN) and gpt-oss (biased router
+and experts, interleaved fused experts, clamped SwiGLU, attention sinks, sliding windows on
+alternate layers; with and without YaRN) on Megatron at every MoE layout.
 
 One 4-rank gloo job walks the architectures and the layouts EP1 (reference), EP2, TP2, PP2 and
 EP2xPP2 (plus TP2xEP2): each layout loads the HF checkpoint directly (each rank reads only its own
@@ -14,6 +15,7 @@ over gloo), and compares
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pathlib
 import re
@@ -32,6 +34,8 @@ GLOBAL_BATCH, SEQ_LEN, MICRO_BATCH = 8, 16, 1
 LOGIT_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-6
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+# gpt-oss keeps a layer's experts in one HF tensor (expert index = dim 0).
+_FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 def _batch(vocab_size: int) -> torch.Tensor:
@@ -40,14 +44,28 @@ def _batch(vocab_size: int) -> torch.Tensor:
 
 
 class _RecordingCheckpoint:
-    """An HFCheckpoint whose `open` records the HF tensor names read."""
+    """An HFCheckpoint whose `open` records the HF tensor names read, and of a fused expert
+    tensor the experts (dim-0 indices) read from it."""
 
     def __init__(self, checkpoint) -> None:
-        self._checkpoint, self.names = checkpoint, set()
+        self._checkpoint, self.names, self.fused_experts = checkpoint, set(), set()
 
     def open(self, name: str):
         self.names.add(name)
-        return self._checkpoint.open(name)
+        source = self._checkpoint.open(name)
+        return _RecordingRows(source, self.fused_experts) if _FUSED_EXPERTS.search(name) else source
+
+
+class _RecordingRows:
+    """A sliceable source that records which indices of dim 0 are read."""
+
+    def __init__(self, source, read: set) -> None:
+        self._source, self._read, self.shape = source, read, source.shape
+
+    def __getitem__(self, index):
+        first = index[0] if isinstance(index, tuple) else index
+        self._read.update(range(*first.indices(self.shape[0])))
+        return self._source[index]
 
 
 def _build_and_load(hf_dir: str, tp: int, pp: int, ep: int):
@@ -72,6 +90,7 @@ def _build_and_load(hf_dir: str, tp: int, pp: int, ep: int):
                         ModelShapes.from_megatron_args(args), tp=tp,
                         tp_rank=parallel_state.get_tensor_model_parallel_rank())
     experts_read = {int(m.group(1)) for n in recording.names if (m := _EXPERT.search(n))}
+    experts_read |= recording.fused_experts
     return hf_config, args, chunks, experts_read
 
 
@@ -129,10 +148,16 @@ def _gloo_threads() -> int:
     return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
 
 
+def _layouts(hf_dir: str):
+    """The layouts the checkpoint's architecture runs at (MOE_PARITY.layouts_for)."""
+    config = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+    return MOE_PARITY.layouts_for(config["architectures"][0])
+
+
 def _run_all(hf_dirs: list[str]) -> dict:
     results = {}
     for arch_dir in hf_dirs:
-        for layout in MOE_PARITY.layouts:
+        for layout in _layouts(arch_dir):
             results[(arch_dir, layout.name)] = _check_layout(
                 arch_dir, layout.tp, layout.pp, layout.ep, _hf_logits(arch_dir))
             results[(arch_dir, layout.name)]["gloo_threads"] = _gloo_threads()
@@ -147,8 +172,10 @@ def _tp_shard(full: torch.Tensor, like: torch.Tensor, name: str, tp: int, rank: 
         return resize_vocab_rows(full, like.shape[0] * tp).chunk(tp)[rank]
     if tp == 1 or "norm" in name or "router" in name:
         return full
-    if name.endswith("linear_fc1.weight") or name.endswith("linear_qkv.weight"):
-        if name.endswith("linear_fc1.weight"):  # [gate; up], each split over TP
+    if name.endswith(("linear_proj.bias", "linear_fc2.bias")):  # added after the TP reduction
+        return full
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "linear_qkv.weight")):
+        if "linear_fc1." in name:  # [gate; up], each split over TP
             gate, up = full.chunk(2)
             return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
         return full.chunk(tp)[rank]  # qkv: per query group, contiguous groups per rank
@@ -163,14 +190,33 @@ def _tp_shard(full: torch.Tensor, like: torch.Tensor, name: str, tp: int, rank: 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "rope_theta": 10000.0}
+# gpt-oss's YaRN (its config: factor 32 over 4096 positions, truncate=False; here 4 over 64):
+# blended frequencies and cos/sin times 0.1 ln(4) + 1, no truncation of the ramp.
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0}
+
+
+def _model_dirs(tmp_path, architectures) -> list[str]:
+    """The tiny checkpoints: each architecture, plus DeepSeek-V3's and gpt-oss's YaRN variants."""
+    dirs = [str(write_tiny_hf_checkpoint(tmp_path / arch, arch)) for arch in architectures]
+    if "DeepseekV3ForCausalLM" in architectures:
+        dirs.append(str(write_tiny_hf_checkpoint(tmp_path / "deepseek_v3_yarn",
+                                                 "DeepseekV3ForCausalLM", rope_parameters=YARN)))
+    if "GptOssForCausalLM" in architectures:
+        dirs.append(str(write_tiny_hf_checkpoint(tmp_path / "gpt_oss_yarn", "GptOssForCausalLM",
+                                                 rope_parameters=GPT_OSS_YARN)))
+    return dirs
 
 
 @pytest.mark.multirank
 def test_moe_logits_grads_and_expert_reads_at_every_layout(tmp_path):
-    dirs = [str(write_tiny_hf_checkpoint(tmp_path / arch, arch)) for arch in MOE_PARITY.architectures]
-    dirs.append(str(write_tiny_hf_checkpoint(tmp_path / "deepseek_v3_yarn", "DeepseekV3ForCausalLM",
-                                             rope_parameters=YARN)))
+    dirs = _model_dirs(tmp_path, MOE_PARITY.architectures)
     per_rank = run_on_ranks(_run_all, WORLD_SIZE, (dirs,), timeout_s=600)
+    check_results(per_rank, dirs)
+
+
+def check_results(per_rank: list[dict], dirs: list[str]) -> None:
+    """The assertions of the test on the ranks' results (also run by hand for one model)."""
     # Each layout's models are freed with their process groups, so a rank's gloo threads are
     # back to the default group's after every layout. A MoE layer that kept its routing graph
     # leaked every model and 32 threads a layout (1,400 a rank by the 30th, each layout slower
@@ -180,7 +226,7 @@ def test_moe_logits_grads_and_expert_reads_at_every_layout(tmp_path):
         assert max(threads) == threads[0], threads
     for arch_dir in dirs:
         reference = per_rank[0][(arch_dir, MOE_PARITY.layouts[0].name)]["grads"]
-        for layout in MOE_PARITY.layouts:
+        for layout in _layouts(arch_dir):
             tp, ep = layout.tp, layout.ep
             results = [rank[(arch_dir, layout.name)] for rank in per_rank]
             logits = [r["logits"] for r in results if r["logits"] is not None]
