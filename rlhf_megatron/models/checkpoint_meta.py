@@ -106,15 +106,24 @@ class ConvertedMetadata:
         return transformers.AutoConfig.for_model(model_type, **fields)
 
 
+def recorded_base(path: str | Path) -> dict[str, str] | None:
+    """The base an adapter-only LoRA checkpoint at `path` names ({path, fingerprint}); None for
+    any other directory. Reads that one field, so a metadata file written before it existed
+    (or a stand-in for one) is no adapter-only checkpoint."""
+    metadata = Path(path) / METADATA_FILE
+    if not metadata.is_file():
+        return None
+    try:
+        return json.loads(metadata.read_text()).get("base")
+    except ValueError as exc:
+        raise CheckpointError(f"corrupt {metadata}: {exc}") from None
+
+
 def base_weights_dir(path: str | Path) -> Path:
     """Where the base weights of a model directory are: the directory itself, or the base an
     adapter-only LoRA checkpoint names."""
-    path = Path(path)
-    if is_megatron_checkpoint(path):
-        metadata = ConvertedMetadata.read(path)
-        if metadata.adapters_only:
-            return Path(metadata.base["path"])
-    return path
+    base = recorded_base(path)
+    return Path(path) if base is None else Path(base["path"])
 
 
 def adapters_only_refusal(path: str | Path) -> str:
@@ -125,10 +134,9 @@ def adapters_only_refusal(path: str | Path) -> str:
 def check_adapters_base(ckpt_dir: str | Path, base_dir: str | Path) -> None:
     """Refuse an adapter-only checkpoint whose recorded base is not `base_dir`'s weights (a
     checkpoint that holds every weight passes)."""
-    ckpt_dir = Path(ckpt_dir)
-    metadata = ConvertedMetadata.read(ckpt_dir) if is_megatron_checkpoint(ckpt_dir) else None
-    if metadata is not None and metadata.adapters_only:
-        check_base(ckpt_dir, metadata.base, Path(base_dir))
+    base = recorded_base(ckpt_dir)
+    if base is not None:
+        check_base(Path(ckpt_dir), base, Path(base_dir))
 
 
 def copy_hf_assets(hf_dir: Path, dest: Path) -> list[str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,7 +30,6 @@ from rlhf_megatron.models.megatron_layout import tp_range
 from rlhf_megatron.models.param_mapping import (
     ColumnParallelMapping,
     DirectMapping,
-    MappingTable,
     ParamMapping,
     ShardContext,
     Sliceable,
@@ -147,12 +145,3 @@ def gpt_oss_expert_mappings() -> list[ParamMapping]:
             StackedFusedExpertsMapping(f"{_M}mlp.experts.experts.{tensor}", hf, tensor=tensor),
         ]
     return mappings
-
-
-def gpt_oss_table_for(spec: Any, hf_config: Any) -> MappingTable:
-    """gpt-oss's table: the Llama-like one with q/k/v biases, plus `gpt_oss_expert_mappings`."""
-    from rlhf_megatron.models.mapping_tables import llama_like_table
-
-    dense = llama_like_table(qkv_bias=True, qk_norm=False,
-                             tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
-    return MappingTable([*dense.mappings, *gpt_oss_expert_mappings()])

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.models.gpt_oss_mapping import gpt_oss_expert_mappings
 from rlhf_megatron.models.moe_config import moe_shape
 from rlhf_megatron.models.param_mapping import (
     ColumnParallelMapping,
@@ -260,3 +261,10 @@ def per_expert_checkpoint_shapes(architecture: str, shapes: dict[str, Any]) -> d
         else:
             out[name] = shape
     return out
+
+
+def gpt_oss_table_for(spec: Any, hf_config: Any) -> MappingTable:
+    """gpt-oss's table: the Llama-like one with q/k/v biases, plus `gpt_oss_expert_mappings`."""
+    dense = llama_like_table(qkv_bias=True, qk_norm=False,
+                             tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    return MappingTable([*dense.mappings, *gpt_oss_expert_mappings()])

@@ -14,8 +14,7 @@ from typing import Any
 
 from rlhf_megatron.models.decoders import _check_llama, _check_llama_like, _check_qwen3
 from rlhf_megatron.models.gpt_oss import check_gpt_oss
-from rlhf_megatron.models.gpt_oss_mapping import gpt_oss_table_for
-from rlhf_megatron.models.mapping_tables import moe_table_for
+from rlhf_megatron.models.mapping_tables import gpt_oss_table_for, moe_table_for
 from rlhf_megatron.models.moe_config import moe_shape
 from rlhf_megatron.models.registry import ARCHITECTURES, ArchitectureSpec, require
 

@@ -110,7 +110,7 @@ FILE_SECONDS = {
     "test_off_policy_modes.py": 80,
     "test_convert_cli.py": 64, "test_slurm_launch.py": 62, "test_layout_parity.py": 70,
     "test_actor_engine.py": 49, "test_async_rollout.py": 47,
-    "test_moe_parity.py": 46, "test_lora_parity.py": 35, "test_lora_engine.py": 40, "test_dapo_e2e.py": 60, "test_moe_refit.py": 41,
+    "test_moe_parity.py": 46, "test_lora_parity.py": 35, "test_lora_engine.py": 50, "test_dapo_e2e.py": 60, "test_moe_refit.py": 41,
     "test_engine_state.py": 40, "test_multirank_harness.py": 37,
     "test_context_parallel.py": 33, "test_rope_scaling_parity.py": 32,
     "test_train_from_checkpoint.py": 31, "test_verify_bf16_checkpoint.py": 28,
