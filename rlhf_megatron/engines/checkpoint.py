@@ -38,6 +38,7 @@ from rlhf_megatron.models.checkpoint_meta import (
     ConvertedMetadata,
     check_adapters_base,
     copy_hf_assets,
+    recorded_base,
 )
 from rlhf_megatron.models.weights_fingerprint import fingerprint
 
@@ -198,10 +199,11 @@ def load_engine_checkpoint(
     directory = Path(directory)
     if not (directory / "engine_state.pt").is_file():
         raise ConfigError(f"{directory} is not an engine checkpoint (no engine_state.pt)")
-    if ConvertedMetadata.read(directory).adapters_only and not _saves_adapters_only(engine):
-        raise ConfigError(f"{directory} holds LoRA adapters only: resume it with "
-                          "actor.engine.lora set")
-    check_adapters_base(directory, engine.base_dir)
+    if recorded_base(directory) is not None:  # an adapter-only checkpoint
+        if not _saves_adapters_only(engine):
+            raise ConfigError(f"{directory} holds LoRA adapters only: resume it with "
+                              "actor.engine.lora set")
+        check_adapters_base(directory, engine.base_dir)
     template = _model_sharded_state(engine)
     want_optimizer = load_optimizer and engine.optimizer is not None
     if want_optimizer:
