@@ -58,14 +58,14 @@ test-unit: setup
 test-integration: setup
 	$(PY) -m pytest tests/integration $(XDIST)
 
-# The numeric and learning tests whose tolerances and margins must hold on any x86-64 machine
-# (issue 24 item 5), run again with torch, MKL and oneDNN capped at AVX2: `make test` runs them at
-# the machine's own ISA (AVX-512/AMX where it has them), this at AVX2, so one CI run checks both.
-# The env reaches every subprocess, Ray worker and gloo rank the tests start.
+# The numeric tests whose tolerances must hold on any x86-64 machine (issue 24 item 5), run again
+# with torch, MKL and oneDNN capped at AVX2: `make test` runs them at the machine's own ISA
+# (AVX-512/AMX where it has them), this at AVX2, so one CI run checks both. The env reaches every
+# subprocess, Ray worker and gloo rank the tests start. Learning margins are split instead of
+# run twice: `make test` runs the multi-turn tools runs at AVX2 (tests/integration/environments/
+# conftest.py, `avx2_head`, the same three variables as AVX2_CAP_ENV) and the others natively.
 PORTABLE_TESTS := tests/unit/algorithms tests/integration/engines/test_actor_loss_terms.py \
                   tests/integration/engines/test_critic_reward.py \
-                  tests/integration/environments/test_episodes_e2e.py \
-                  tests/integration/environments/test_episodes_async_e2e.py \
                   tests/integration/checkpoint_tools/test_verify_bf16_checkpoint.py \
                   tests/integration/models/test_lora_parity.py
 AVX2_CAP := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2

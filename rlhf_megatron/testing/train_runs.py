@@ -26,6 +26,11 @@ CONFIG = REPO / "configs" / "quickstart_cpu.yaml"
 # Wall-clock and throughput figures differ between runs; everything else must match exactly.
 VOLATILE_PREFIXES = ("time/", "refit/seconds", "rollout/tokens_per_s")
 
+# torch, MKL and oneDNN capped at AVX2 (the Makefile's AVX2_CAP, `make test-portable`): a RayHead
+# started with it passes it to every worker and every driver that joins.
+AVX2_CAP_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
 
 def small_run_overrides(assets: Path, run_dir: Path, **extra: object) -> list[str]:
     values: dict[str, object] = {
@@ -57,7 +62,7 @@ def run_train(overrides: list[str], *, timeout: float = 300, config: Path = CONF
     env = _env()
     if head is not None:
         overrides = [*overrides, f"ray.address={head.address}"]
-        env.update(head.auth_env)
+        env.update(head.env)
     return subprocess.run(train_command(overrides, config), cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
@@ -223,9 +228,12 @@ class RayHead:
     answering (stop 35's CI lost it mid-suite, and every run after waited minutes on a dead
     address and failed), the head is started again, and why it died is printed from its logs."""
 
-    def __init__(self, num_cpus: int = 4, timeout: float = 300, attempts: int = 3) -> None:
+    def __init__(self, num_cpus: int = 4, timeout: float = 300, attempts: int = 3,
+                 env: dict[str, str] | None = None) -> None:
         # Token auth with a token of our own: the drivers that join need the same one.
         self.auth_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        # What the head's workers and the drivers that join run with (`env`, e.g. AVX2_CAP_ENV).
+        self.env = {**(env or {}), **self.auth_env}
         self.num_cpus, self.timeout, self.attempts = num_cpus, timeout, attempts
         self.restarts = 0
         self._start()
@@ -238,7 +246,7 @@ class RayHead:
         for _ in range(self.attempts):
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _HEAD_SCRIPT, str(self.num_cpus)], cwd=REPO,
-                env={**_env(), **self.auth_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                env={**_env(), **self.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 text=True, start_new_session=True)
             line, self.session_dir = "", ""
             while not line.startswith("ADDRESS "):

@@ -24,13 +24,14 @@ ASYNC_TOOL_RISE = 0.05
 ASYNC_REWARD_RISE = 0.05
 
 
-def test_tools_episodes_learn_in_async_across_refits(warm_start, tmp_path: Path, head: RayHead):
+def test_tools_episodes_learn_in_async_across_refits(warm_start, tmp_path: Path,
+        avx2_head: RayHead):
     """The same GRPO on the same warm start, with the episodes streamed by the async engine
     (trainer.rollout_mode=async, max_staleness 1, split pools): each step trains on episodes
     generated while the step before trained, and an episode in flight at a refit continues on
     the new weights, its tokens recording which weights wrote them."""
     run_dir = tmp_path / "grpo_async"
-    steps = grpo(warm_start, run_dir, head, **{"trainer.rollout_mode": "async",
+    steps = grpo(warm_start, run_dir, avx2_head, **{"trainer.rollout_mode": "async",
                                                  "trainer.max_staleness": 1,
                                                  "trainer.dump_batch_steps": "[2,3,4,5,6]",
                                                  **SPLIT})

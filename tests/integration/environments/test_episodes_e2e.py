@@ -11,7 +11,7 @@ output masked) vLLM's rollout log-probs equal the Megatron actor's fp32 log-prob
 every step (`rollout/logprob_diff_max`, from the update's own forward under the on-policy
 shortcut); the recorded batch has two generated spans in rows that called the tool.
 The warm start (`warm_start`, tests/integration/environments/conftest.py) is built once per pytest
-run and shared with test_episodes_async_e2e.py; every run joins one Ray head."""
+run and shared with test_episodes_async_e2e.py; every run joins one Ray head, whose workers run at AVX2 (`avx2_head`)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from rlhf_megatron.testing.train_runs import REPO, RayHead
 
 
 @pytest.mark.multirank
-def test_tools_quickstart_learns_to_call_the_tool(warm_start, tmp_path: Path, head: RayHead):
+def test_tools_quickstart_learns_to_call_the_tool(warm_start, tmp_path: Path,
+                                                  avx2_head: RayHead):
     run_dir = tmp_path / "grpo"
-    steps = grpo(warm_start, run_dir, head)
+    steps = grpo(warm_start, run_dir, avx2_head)
     diffs = [m["rollout/logprob_diff_max"] for m in steps]
     assert max(diffs) < 1e-4, diffs
     tool_rise, reward_rise, summary = rises(steps)
