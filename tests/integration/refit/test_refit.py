@@ -1,7 +1,7 @@
 """Refit: after actor updates at TP2 and at PP2, the weights go through the mapping table and
 shared memory (and torch.distributed broadcast) into a vLLM-CPU engine in another process.
 
-Checks per layout: the reported weight version; vLLM's log-probs of fixed sequences equal the
+Checks per case (transport, LoRA or not) and layout: the reported weight version; vLLM's log-probs of fixed sequences equal the
 actor's within 1e-4 (rollout/logprob_diff); vLLM's greedy output equals HF transformers' greedy
 output on the exported weights; and a refit that drops a bucket is caught by the parity check.
 """
@@ -59,7 +59,21 @@ def _make_transport(kind: str, port: int):
     return BroadcastTransport("127.0.0.1", port + 1 + stage)
 
 
-def _refit_job(hf_dir: str, port: int, kind: str, lora: bool) -> dict:
+def _refit_job(hf_dir: str, port: int, cases: list[tuple[str, bool]]) -> dict:
+    """Each (transport kind, lora) case in turn, each at every REFIT layout, into one vLLM
+    engine (one engine start and one rank spawn for all of them): {case: {layout: result}}."""
+    rollout = connect_rollout(port)
+    batch = refit_batch()
+    out, version = {}, 0
+    for kind, lora in cases:
+        out[(kind, lora)] = _refit_case(rollout, batch, hf_dir, port, kind, lora, version)
+        version += 2 * len(REFIT.layouts)
+    rollout.close()
+    return out
+
+
+def _refit_case(rollout, batch, hf_dir: str, port: int, kind: str, lora: bool,
+                version: int) -> dict:
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
@@ -69,9 +83,7 @@ def _refit_job(hf_dir: str, port: int, kind: str, lora: bool) -> dict:
     from rlhf_megatron.rollout import SamplingSettings
     from rlhf_megatron.rollout.metrics import rollout_logprob_diff
 
-    rollout = connect_rollout(port)
-    batch = refit_batch()
-    out, version = {}, 0
+    out = {}
     for layout in REFIT.layouts:
         dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
@@ -107,7 +119,6 @@ def _refit_job(hf_dir: str, port: int, kind: str, lora: bool) -> dict:
         transport.close()
         out[layout.name] = result
         destroy_layout()
-    rollout.close()
     return out
 
 
@@ -118,37 +129,44 @@ def _hf_greedy(hf_dir: str, state: dict[str, torch.Tensor]) -> list[list[int]]:
     return [hf_greedy(model, prompt, 6) for prompt in PROMPTS]
 
 
+# Per checkpoint, the cases that refit into its engine, one after another: shared memory and
+# broadcast, and a LoRA actor (actor.engine.lora) that refits its merged weights (docs/LORA.md).
+CASES = {"untied": [("shared_memory", False), ("broadcast", False), ("shared_memory", True)],
+         "tied": [("shared_memory", False)]}
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "tied,kind,lora",
-    [(False, "shared_memory", False), (True, "shared_memory", False),
-     (False, "broadcast", False), (False, "shared_memory", True)],
-    ids=["untied-shm", "tied-shm", "untied-broadcast", "lora-shm"],
-)
-def test_refit_into_vllm_matches_the_actor(tmp_path, tied, kind, lora):
-    """lora: a LoRA actor (actor.engine.lora) refits its merged weights (docs/LORA.md)."""
+@pytest.mark.parametrize("checkpoint", list(CASES))
+def test_refit_into_vllm_matches_the_actor(tmp_path, checkpoint):
     hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", REFIT.architectures[0],
-                                          tie_word_embeddings=tied))
+                                          tie_word_embeddings=checkpoint == "tied"))
     port = find_free_port()
     server = mp.get_context("spawn").Process(target=serve_rollout, args=(hf_dir, port, 2))
     server.start()
     try:
-        per_rank = run_on_ranks(_refit_job, REFIT.ranks, (hf_dir, port, kind, lora),
+        per_rank = run_on_ranks(_refit_job, REFIT.ranks, (hf_dir, port, CASES[checkpoint]),
                                 timeout_s=900)
     finally:
         server.join(timeout=60)
         if server.is_alive():
             server.kill()
-    for step, (layout, result) in enumerate(per_rank[0].items()):
-        assert result["weight_version"] == 2 * step + 1
-        assert result["diff"]["rollout/logprob_diff_max"] < 1e-4, (layout, result["diff"])
-        assert result["dropped_diff"]["rollout/logprob_diff_max"] > 1e-3, (layout, result)
-        state = {**per_rank[0][layout]["exported"], **per_rank[1][layout]["exported"]}
-        assert result["greedy"] == _hf_greedy(hf_dir, state), layout
-        stats = [rank[layout]["stats"] for rank in per_rank]
-        for rank in per_rank:  # each stage sender sent exactly its exported tensors, 64-aligned
-            sent, exported = rank[layout]["stats"], rank[layout]["exported"]
-            assert sent["tensors"] == len(exported), layout
-            assert sent["bytes_sent"] == sum(-(-t.nbytes // 64) * 64 for t in exported.values())
-        assert sum(s["buckets"] for s in stats) >= 3  # the 200 kB bucket limit really split it
-        assert max(s["max_bucket_bytes"] for s in stats) < 1_000_000
+    step = 0
+    for case in CASES[checkpoint]:
+        for layout, result in per_rank[0][case].items():
+            assert result["weight_version"] == 2 * step + 1, (case, layout)
+            step += 1
+            ranks = [rank[case][layout] for rank in per_rank]
+            _check_refit(hf_dir, f"{case} {layout}", result, ranks)
+
+
+def _check_refit(hf_dir: str, where: str, result: dict, ranks: list[dict]) -> None:
+    assert result["diff"]["rollout/logprob_diff_max"] < 1e-4, (where, result["diff"])
+    assert result["dropped_diff"]["rollout/logprob_diff_max"] > 1e-3, (where, result)
+    state = {**ranks[0]["exported"], **ranks[1]["exported"]}
+    assert result["greedy"] == _hf_greedy(hf_dir, state), where
+    for rank in ranks:  # each stage sender sent exactly its exported tensors, 64-aligned
+        sent, exported = rank["stats"], rank["exported"]
+        assert sent["tensors"] == len(exported), where
+        assert sent["bytes_sent"] == sum(-(-t.nbytes // 64) * 64 for t in exported.values())
+    assert sum(rank["stats"]["buckets"] for rank in ranks) >= 3  # the 200 kB limit split it
+    assert max(rank["stats"]["max_bucket_bytes"] for rank in ranks) < 1_000_000
