@@ -89,14 +89,15 @@ def start_ray(cfg: TrainConfig, plan: DevicePlan) -> None:
     """Join cfg.ray.address (or $RAY_ADDRESS), or start a local cluster sized for the layout."""
     import ray
 
-    env = {**WORKER_ENV, "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.engine.cpu_kv_cache_gb),
+    env = {**WORKER_ENV,
            # vLLM warns on every in-place weight reload ("RotaryEmbedding: Failed to load
            # weights": it has none); keep its log to errors unless asked otherwise.
            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
     if not current_platform().is_cuda:
-        # vLLM compiles its sampler's log-prob gather (inductor) at the first generate, and
-        # inductor first proves each vector ISA the CPU flags list by building and loading a
-        # test library in ten child interpreters (~1 s a worker). With the pinned gcc the
+        # Megatron's jit_fuser is torch.compile (rollout engines turn it off:
+        # skip_sampler_compile_on_cpu), and inductor first proves each vector ISA the CPU
+        # flags list by building and loading a test library in ten child interpreters (~1 s
+        # a worker). With the pinned gcc the
         # proven list equals the flags' list (checked on an AVX-512/AMX machine: same list,
         # same pick), so take the flags' word; export TORCHINDUCTOR_VEC_ISA_OK= to decide.
         env["TORCHINDUCTOR_VEC_ISA_OK"] = os.environ.get("TORCHINDUCTOR_VEC_ISA_OK", "1")

@@ -46,6 +46,7 @@ from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
 from rlhf_megatron.rollout.vllm_engine import (
     init_engine_state,
     prompt_seed,
+    skip_sampler_compile_on_cpu,
     vllm_engine_kwargs,
 )
 
@@ -153,6 +154,7 @@ class AsyncRolloutEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        skip_sampler_compile_on_cpu(self.platform.is_cuda)
         kwargs = vllm_engine_kwargs(self.hf_dir, self.config, self.platform.is_cuda,
                                     self.awaiting_weights)
         kwargs["worker_extension_cls"] = _EXTENSION

