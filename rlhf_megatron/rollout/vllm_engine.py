@@ -55,9 +55,9 @@ _SEED_STRIDE = 100_003
 
 def skip_sampler_compile_on_cpu(on_cuda: bool) -> None:
     """On CPU, turn torch.compile off in this process and in the EngineCore child vLLM may
-    start. vLLM's only compiled op on the CPU path is the sampled token's rank
-    (`batched_count_greater_than`, an integer count: the same in eager), and inductor builds it
-    at each engine's first generate, ~1 CPU-s. Called by rollout engines only: actor processes
+    start. vLLM's compiled ops on this path are integer work, the same in eager: the sampled
+    token's rank (`batched_count_greater_than`, built by inductor at each engine's first
+    generate, ~1 CPU-s) and, at rollout TP > 1, the vocab-shard mask of the embedding. Called by rollout engines only: actor processes
     keep Megatron's jit_fuser (torch.compile). TORCH_COMPILE_DISABLE=0 exported keeps it on."""
     if on_cuda:
         return
@@ -81,11 +81,11 @@ def vllm_engine_kwargs(hf_dir: Path, config: RolloutConfig, on_cuda: bool,
     )
     if awaiting_weights:
         kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
-    if not on_cuda:
-        kwargs["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gb * 2**30)
     if on_cuda:  # sleep mode needs CUDA's memory pool (vLLM's CuMemAllocator)
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.enable_sleep_mode
+    else:
+        kwargs["kv_cache_memory_bytes"] = int(config.cpu_kv_cache_gb * 2**30)
     return kwargs
 
 

@@ -77,7 +77,8 @@ def _rollout_job(hf_dir: str) -> dict:
     from rlhf_megatron.data.batch import TokenBatch
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
 
-    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=64, seed=0, cpu_kv_cache_gb=TEST_KV_CACHE_GB))
+    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=64, seed=0,
+                                                       cpu_kv_cache_gb=TEST_KV_CACHE_GB))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
 
     def sample(settings: list[dict]) -> TokenBatch:

@@ -35,7 +35,8 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
     from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
     from rlhf_megatron.testing.episodes import async_episode_checks
 
-    engine = AsyncRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0, cpu_kv_cache_gb=TEST_KV_CACHE_GB), capacity=8)
+    engine = AsyncRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0,
+                                                       cpu_kv_cache_gb=TEST_KV_CACHE_GB), capacity=8)
     out: dict = {}
     try:
         sampling = SamplingSettings(n=2, temperature=1.0, max_tokens=MAX_TOKENS)

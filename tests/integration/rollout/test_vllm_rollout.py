@@ -34,7 +34,8 @@ def _rollout_job(hf_dir: str) -> dict:
 
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings, VllmRolloutEngine
 
-    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0, cpu_kv_cache_gb=TEST_KV_CACHE_GB))
+    engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0,
+                                                       cpu_kv_cache_gb=TEST_KV_CACHE_GB))
     model = _hf_model(hf_dir)
     out: dict = {}
     greedy = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=8))
