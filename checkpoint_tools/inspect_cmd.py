@@ -1,5 +1,6 @@
 """`inspect DIR`: architecture, parameter count, dtypes and layout of an HF directory or of a
-converted Megatron checkpoint. Reads headers and metadata only, never the weights."""
+converted Megatron checkpoint. Reads headers and metadata only, never the weights (for an
+adapter-only LoRA checkpoint, the recorded base's sampled fingerprint blocks too)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from checkpoint_tools.common import METADATA_FILE, ConvertedMetadata
 from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.models.weights_fingerprint import fingerprint
 
 
 def _model_lines(config: Any) -> list[str]:
@@ -51,6 +53,25 @@ def inspect_hf(path: Path) -> list[str]:
     ]
 
 
+def _base_line(recorded: dict[str, str]) -> str:
+    """Where an adapter-only checkpoint's base is, and whether it is still the one trained on."""
+    path = Path(recorded["path"])
+    if not path.is_dir():
+        state = "not found on this machine"
+    elif (found := fingerprint(path)) == recorded["fingerprint"]:
+        state = "present, fingerprint matches"
+    else:
+        state = f"present, but its fingerprint is now {found[:19]}: another base"
+    return f"base (not stored): {path} ({recorded['fingerprint'][:19]}; {state})"
+
+
+def _lora_lines(lora: dict[str, Any], base: dict[str, str] | None) -> list[str]:
+    scale = lora["alpha"] / lora["rank"]
+    lines = [f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g} (scale {scale:g}), dropout "
+             f"{lora['dropout']:g}, on {', '.join(lora['target_modules'])}"]
+    return lines + ([_base_line(base)] if base is not None else [])
+
+
 def inspect_converted(path: Path) -> list[str]:
     from checkpoint_tools.mcore_to_hf import read_tensor_metadata
 
@@ -59,18 +80,24 @@ def inspect_converted(path: Path) -> list[str]:
     tensors = read_tensor_metadata(path)
     optimizer = len(read_tensor_metadata(path, model_only=False)) - len(tensors)
     params = sum(shape.numel() for shape, _ in tensors.values())
-    padding = (metadata.padded_vocab_size - metadata.vocab_size) * config.hidden_size
-    padding *= 1 if getattr(config, "tie_word_embeddings", False) else 2
+    if metadata.adapters_only:
+        count = f"parameters: {params:,} adapter parameters in {len(tensors)} stored tensors"
+    else:
+        padding = (metadata.padded_vocab_size - metadata.vocab_size) * config.hidden_size
+        padding *= 1 if getattr(config, "tie_word_embeddings", False) else 2
+        count = (f"parameters: {params - padding:,} ({params:,} with vocabulary padding) "
+                 f"in {len(tensors)} stored tensors")
     dtypes = Counter(str(dtype).removeprefix("torch.") for _, dtype in tensors.values())
     return [
-        f"{path}: Megatron dist-checkpoint (torch_dist, layout-free)",
+        f"{path}: Megatron dist-checkpoint (torch_dist, layout-free)"
+        + ("; LoRA adapters only" if metadata.adapters_only else ""),
         f"architecture: {metadata.architecture}",
-        f"parameters: {params - padding:,} ({params:,} with vocabulary padding) "
-        f"in {len(tensors)} stored tensors",
+        count,
         f"dtypes: {dict(dtypes)}",
         f"layout: saved at tp={metadata.saved_tp} pp={metadata.saved_pp}; padded vocab "
         f"{metadata.padded_vocab_size}; {_loadable_layouts(config, metadata.padded_vocab_size)}",
         *_model_lines(config),
+        *(_lora_lines(metadata.lora, metadata.base) if metadata.lora is not None else []),
         f"assets: {', '.join(metadata.asset_files)}",
         f"optimizer state: {f'{optimizer} tensors (a training checkpoint)' if optimizer else 'none'}",
     ]

@@ -275,6 +275,12 @@ def compare(
         raise ConfigError(f"compute dtype {compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
     hf_dir, ckpt_dir = Path(hf_dir), Path(ckpt_dir)
     metadata = ConvertedMetadata.read(ckpt_dir)
+    if metadata.lora is not None:  # a plain GPT model would load the base and drop the adapters
+        raise CheckpointError(
+            f"{ckpt_dir} holds LoRA adapters"
+            + (f" for the base {metadata.base['path']}" if metadata.adapters_only else "")
+            + ": verify compares full models; write the merged HF model with `rlhf-convert "
+            f"mcore-to-hf --ckpt {ckpt_dir} --out DIR --merge-lora`")
     hf_config = load_hf_config(hf_dir)
     hf_arch = list(getattr(hf_config, "architectures", None) or [])
     if hf_arch != [metadata.architecture]:

@@ -26,7 +26,9 @@ import torch
 
 from checkpoint_tools.mcore_to_hf import read_tensor_metadata
 from rlhf_megatron.models.checkpoint_meta import ConvertedMetadata
+from rlhf_megatron.models.hf_checkpoint import load_hf_config
 from rlhf_megatron.models.lora_settings import LoraSettings
+from rlhf_megatron.planner.shapes import ModelShape, lora_stage_params
 from rlhf_megatron.testing.batches import padded_prompt_batch
 from rlhf_megatron.testing.layouts import LORA, LORA_SHAPE
 from rlhf_megatron.testing.multirank import run_on_ranks
@@ -210,3 +212,19 @@ def test_lora_actor_reference_updates_and_merged_weights(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "--merge-lora" in error, error
     assert not (tmp_path / "plain").exists()
+    # inspect reports the adapters (counted from the shapes, not the stored tensors) and the
+    # base; verify, which would load the base into a plain model and drop them, refuses.
+    ckpt = str(tmp_path / "ckpt" / LAYOUTS[0].name)
+    config = load_hf_config(hf_dir)
+    adapters = lora_stage_params(ModelShape.from_hf(config), LoraSettings(rank=4, alpha=8.0),
+                                 tp=1, layers=list(range(config.num_hidden_layers)))
+    assert main(["inspect", ckpt]) == 0
+    report = capsys.readouterr().out
+    assert f"parameters: {adapters:,} adapter parameters in " in report, report
+    assert "LoRA: rank 4, alpha 8 (scale 2), dropout 0, on " in report, report
+    assert f"base (not stored): {hf_dir} (sha256:" in report, report
+    assert "; present, fingerprint matches)" in report, report
+    assert main(["verify", "--hf", hf_dir, "--ckpt", ckpt]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"adapters for the base {hf_dir}" in error, error
+    assert "--merge-lora" in error, error
