@@ -5,8 +5,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_megatron.environments.loader import load_environment
+from rlhf_megatron.environments.loader import load_agent, load_environment
 from rlhf_megatron.errors import ConfigError
+
+
+@dataclass
+class AgentConfig:
+    """An agent written outside the trainer (issue 27): ``async def agent(base_url, api_key,
+    sample) -> float`` in ``path`` (``"file.py:function"``), driving its episode through the
+    OpenAI-compatible endpoint (rollout/agent_endpoint.py). Off while ``path`` is None."""
+
+    path: str | None = None
+    """``"path/to/file.py:function"``: an ``async def`` called once per episode."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the function (``agent(base_url, api_key, sample, **kwargs)``)."""
+    timeout_seconds: float = 120.0
+    """An episode's wall-clock limit; an agent still running after it ends with reward 0."""
+    host: str = "127.0.0.1"
+    """The address the endpoint listens on (loopback by default)."""
+    tool_parser: str | None = None
+    """A vLLM tool parser name (``hermes``, ``qwen3_xml``, ...) for a chat template with a tool
+    format; None: the tag format (``<python>code</python>`` for a tool ``python(code)``)."""
+
+    def validate(self) -> None:
+        if isinstance(self.timeout_seconds, bool) or not isinstance(
+                self.timeout_seconds, (int, float)) or self.timeout_seconds <= 0:
+            raise ConfigError(f"environment.agent.timeout_seconds={self.timeout_seconds!r}: "
+                              "expected a number > 0")
+        if self.path is not None:
+            load_agent(self.path)
 
 
 @dataclass
@@ -25,17 +52,23 @@ class EnvironmentConfig:
     """All tokens after the opening prompt (assistant + observations); reaching it truncates."""
     tool_workers: int = 4
     """Threads that run environment steps (tool calls) beside generation."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """An agent driving the episodes through the OpenAI-compatible endpoint instead of an
+    environment class (``path``); the limits above apply to its sessions (a request is a turn)."""
     def validate(self, train_cfg: Any = None) -> None:
         """Check the limits, that the environment class loads, and (given the whole TrainConfig)
         that the run uses what episodes support: no dynamic sampling, no reward model (one-line
         ConfigError)."""
-        if self.path is not None and train_cfg is not None:
+        if self.path is not None and self.agent.path is not None:
+            raise ConfigError("environment.path and environment.agent.path both set: an episode "
+                              "is driven by an environment class or by an agent, not both")
+        if self.enabled and train_cfg is not None:
             if train_cfg.algorithm.dynamic_sampling.enabled:
-                raise ConfigError("environment.path cannot be combined with "
+                raise ConfigError(f"environment.{self._driver} cannot be combined with "
                                   "algorithm.dynamic_sampling.enabled")
             if train_cfg.reward_model.path is not None:
-                raise ConfigError("environment.path: the environment gives the rewards; unset "
-                                  "reward_model.path")
+                raise ConfigError(f"environment.{self._driver}: the {self._driver_kind} gives "
+                                  "the rewards; unset reward_model.path")
         for name in ("max_turns", "max_tokens_per_turn", "max_tokens_per_episode", "tool_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -46,7 +79,16 @@ class EnvironmentConfig:
                 f"environment.max_tokens_per_episode={self.max_tokens_per_episode}")
         if self.path is not None:
             load_environment(self.path)
+        self.agent.validate()
 
     @property
     def enabled(self) -> bool:
-        return self.path is not None
+        return self.path is not None or self.agent.path is not None
+
+    @property
+    def _driver(self) -> str:
+        return "path" if self.path is not None else "agent.path"
+
+    @property
+    def _driver_kind(self) -> str:
+        return "environment" if self.path is not None else "agent"

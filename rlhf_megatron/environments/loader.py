@@ -6,6 +6,9 @@ one-line :class:`EnvironmentLoadError` messages, and the CLI maps them to exit s
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 from rlhf_megatron.environments.arithmetic import ArithmeticToolEnv
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.rewards.custom import load_from_file
@@ -13,6 +16,10 @@ from rlhf_megatron.rewards.custom import load_from_file
 
 class EnvironmentLoadError(ConfigError):
     """An environment spec cannot be loaded (one-line message naming the spec)."""
+
+
+class AgentLoadError(ConfigError):
+    """An agent spec cannot be loaded (one-line message naming the spec)."""
 
 
 def _builtin_arithmetic() -> type:
@@ -44,3 +51,16 @@ def load_environment(spec: str) -> type:
             f"environment {spec!r}: class has no {' or '.join(missing)} method"
         )
     return cls
+
+
+def load_agent(spec: str) -> Callable:
+    """The agent function for ``spec`` (``"path/to/file.py:function"``, an ``async def``).
+
+    Raises :class:`AgentLoadError` (a ConfigError) with one line when the spec is malformed, the
+    file is missing or fails to import, or the name is missing or not an ``async def``.
+    """
+    fn = load_from_file(spec, "agent", "function", AgentLoadError)
+    if not inspect.iscoroutinefunction(fn):
+        raise AgentLoadError(f"agent {spec!r}: {spec.rpartition(':')[2]!r} is not an async "
+                             "function (write it as `async def`)")
+    return fn

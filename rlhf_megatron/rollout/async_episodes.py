@@ -14,7 +14,8 @@ from typing import Any
 
 from rlhf_megatron.data.batch import TokenBatch
 from rlhf_megatron.environments.config import EnvironmentConfig
-from rlhf_megatron.environments.loader import load_environment
+from rlhf_megatron.environments.loader import load_agent, load_environment
+from rlhf_megatron.rollout.agent_episodes import AgentRunner
 from rlhf_megatron.rollout.async_engine import SampleRecord
 from rlhf_megatron.rollout.episodes import (
     ChatFormat,
@@ -22,7 +23,6 @@ from rlhf_megatron.rollout.episodes import (
     EpisodeRunner,
     TurnGenerator,
     TurnOutput,
-    episode_metrics,
     episodes_to_batch,
 )
 from rlhf_megatron.rollout.vllm_engine import prompt_seed
@@ -35,7 +35,7 @@ def engine_turns(engine: Any, sampling: Any) -> TurnGenerator:
     SamplingSettings): turn t of the episode numbered i samples from seed + i * 100_003 +
     t * 7919 (unseeded without a seed); vLLM's ids, log-probs and per-token weight versions."""
 
-    async def turn(e: Episode, max_tokens: int) -> TurnOutput:
+    async def turn(e: Episode, max_tokens: int, stop: Sequence[str] = ()) -> TurnOutput:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -45,12 +45,27 @@ def engine_turns(engine: Any, sampling: Any) -> TurnGenerator:
         params = SamplingParams(
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             max_tokens=max_tokens, logprobs=0, stop_token_ids=list(s.stop_token_ids),
+            stop=list(stop) or None,
             seed=seed, output_kind=RequestOutputKind.DELTA)
         record = await engine.generate_turn(list(e.ids), params)
         return TurnOutput(record.tokens, record.logprobs, str(record.finish_reason),
                           record.versions)
 
     return turn
+
+
+def episode_driver(cfg: EnvironmentConfig) -> Any:
+    """What drives the episodes: the environment class, or the agent function."""
+    return load_agent(cfg.agent.path) if cfg.agent.path is not None else load_environment(cfg.path)
+
+
+def episode_runner(driver: Any, cfg: EnvironmentConfig, chat: ChatFormat, turn: TurnGenerator,
+                   sampling: Any) -> EpisodeRunner:
+    """The one runner over ``driver`` (episode_driver): environment steps, or an agent's
+    requests through the OpenAI-compatible endpoint (rollout/agent_episodes.py)."""
+    if cfg.agent.path is not None:
+        return AgentRunner(driver, cfg, chat, turn, sampling)
+    return EpisodeRunner(driver, cfg, chat, turn)
 
 
 def run_episodes(engine: Any, cfg: EnvironmentConfig, samples: Sequence[dict[str, Any]],
@@ -62,12 +77,13 @@ def run_episodes(engine: Any, cfg: EnvironmentConfig, samples: Sequence[dict[str
 
     chat = ChatFormat(transformers.AutoTokenizer.from_pretrained(str(engine.hf_dir)))
     seeded = dataclasses.replace(sampling, seed=prompt_seed(sampling.seed, first_prompt))
-    runner = EpisodeRunner(load_environment(cfg.path), cfg, chat, engine_turns(engine, seeded))
+    runner = episode_runner(episode_driver(cfg), cfg, chat, engine_turns(engine, seeded),
+                            sampling)
     repeated = [s for s in samples for _ in range(sampling.n)]
     episodes = engine.run_coroutine(runner.run_async(repeated))
     for i, e in enumerate(episodes):
         e.sample_index = first_prompt + i // sampling.n
-    return episodes_to_batch(episodes, sampling), episode_metrics(episodes)
+    return episodes_to_batch(episodes, sampling), runner.metrics(episodes)
 
 
 class EpisodeGroups:
@@ -83,15 +99,15 @@ class EpisodeGroups:
 
         self.engine, self.cfg = engine, cfg
         self.chat = ChatFormat(transformers.AutoTokenizer.from_pretrained(str(engine.hf_dir)))
-        self.env_cls = load_environment(cfg.path)
+        self.driver = episode_driver(cfg)
 
     async def run_group(self, sample: dict[str, Any], sampling: Any,
                         seed: int | None) -> tuple[list[Any], dict[str, float]]:
         """The group's records (rollout.async_engine.SampleRecord) and its episode metrics.
         Episode j of the group samples from seed + j * 100_003 + turn * 7919."""
         seeded = dataclasses.replace(sampling, seed=seed)
-        runner = EpisodeRunner(self.env_cls, self.cfg, self.chat,
-                               engine_turns(self.engine, seeded))
+        runner = episode_runner(self.driver, self.cfg, self.chat,
+                                engine_turns(self.engine, seeded), sampling)
         episodes = await runner.run_async([sample] * sampling.n)
         records = []
         for e in episodes:
@@ -100,4 +116,4 @@ class EpisodeGroups:
                                         "length" if e.truncated else "stop",
                                         loss_mask=list(e.loss_mask),
                                         turn_rewards=list(e.turn_rewards), reward=e.reward))
-        return records, episode_metrics(episodes)
+        return records, runner.metrics(episodes)

@@ -46,13 +46,17 @@ class ChatFormat:
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.stop_ids = {i for i in (tokenizer.eos_token_id,) if i is not None}
 
-    def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[Message], generation_prompt: bool,
+               tools: Sequence[dict] | None = None) -> str:
+        """``tools`` (OpenAI function declarations) go to the template; the fallback format has
+        no tool section (an agent describes its tools in its own system prompt)."""
         if self.has_template:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+                list(messages), tools=list(tools) if tools else None, tokenize=False,
+                add_generation_prompt=generation_prompt)
         parts = []
         for m in messages:
-            content = m["content"]
+            content = m.get("content") or ""
             if m["role"] == "tool":
                 content = f"<output>{content}</output>"
             parts.append(f"{m['role']}: {content}\n")
@@ -61,9 +65,10 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+    def prompt_ids(self, messages: Sequence[Message],
+                   tools: Sequence[dict] | None = None) -> list[int]:
         """The opening prompt: all messages plus the generation prompt."""
-        return self.encode(self.render(messages, True))
+        return self.encode(self.render(messages, True, tools))
 
     def observation_ids(self, observations: Sequence[Message], last_generated: int | None) -> list[int]:
         """Ids appended after an assistant turn: whatever closes the turn that the model did not
@@ -97,8 +102,9 @@ class TurnOutput:
     versions: list[int] | None = None
 
 
-TurnGenerator = Callable[["Episode", int], Awaitable[TurnOutput]]
-"""(episode, max_tokens) -> the episode's next turn, generated after its ids so far."""
+TurnGenerator = Callable[..., Awaitable[TurnOutput]]
+"""(episode, max_tokens, stop=()) -> the episode's next turn, generated after its ids so far
+(``stop``: strings that end the turn, the agent endpoint's ``stop``)."""
 
 
 @dataclass
@@ -141,6 +147,9 @@ class EpisodeRunner:
                  turn: TurnGenerator) -> None:
         self.env_cls, self.cfg, self.chat, self.turn = env_cls, cfg, chat, turn
 
+    def metrics(self, episodes: Sequence[Episode]) -> dict[str, float]:
+        return episode_metrics(episodes)
+
     def run(self, samples: Sequence[dict[str, Any]]) -> list[Episode]:
         """run_async on an event loop of its own (a turn generator that needs another loop,
         such as the async engine's, is run with that loop's ``run_coroutine``)."""
@@ -161,7 +170,8 @@ class EpisodeRunner:
     async def _episode(self, e: Episode, pool: ThreadPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
         while not e.done:
-            text = self._record_turn(e, await self.turn(e, self._budget(e)))
+            out = await self.turn(e, turn_budget(e, self.cfg))
+            text = record_turn(e, out, self.chat.tokenizer)
             try:
                 result = checked_step(await loop.run_in_executor(pool, e.env.step, text))
             except Exception as exc:  # a user environment's bug ends only its own episode
@@ -173,21 +183,6 @@ class EpisodeRunner:
         prompt = self.chat.prompt_ids(env.reset(sample))
         return Episode(index, len(prompt), list(prompt), [0] * len(prompt),
                        [0.0] * len(prompt), env)
-
-    def _budget(self, e: Episode) -> int:
-        """max_tokens of the episode's next turn: the turn limit, capped by what is left."""
-        return min(self.cfg.max_tokens_per_turn, self.cfg.max_tokens_per_episode - e.episode_tokens)
-
-    def _record_turn(self, e: Episode, out: TurnOutput) -> str:
-        """Append vLLM's ids and log-probs as they are; the text for the environment only."""
-        if out.versions is not None:
-            e.versions += [-1] * (len(e.ids) - len(e.versions)) + list(out.versions)
-        e.ids += out.token_ids
-        e.loss_mask += [1] * len(out.token_ids)
-        e.logprobs += list(out.logprobs)
-        e.turns += 1
-        e.last_generated = out.token_ids[-1] if out.token_ids else None
-        return self.chat.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
     def _apply(self, e: Episode, result: StepResult) -> None:
         obs, reward, done = result
@@ -206,6 +201,24 @@ class EpisodeRunner:
         e.ids += delta
         e.loss_mask += [0] * len(delta)
         e.logprobs += [0.0] * len(delta)
+
+
+def turn_budget(e: Episode, cfg: EnvironmentConfig) -> int:
+    """max_tokens of the episode's next turn: the turn limit, capped by what is left."""
+    return min(cfg.max_tokens_per_turn, cfg.max_tokens_per_episode - e.episode_tokens)
+
+
+def record_turn(e: Episode, out: TurnOutput, tokenizer: Any) -> str:
+    """Append vLLM's ids and log-probs as they are; returns the text, for the environment (or
+    the agent) only."""
+    if out.versions is not None:
+        e.versions += [-1] * (len(e.ids) - len(e.versions)) + list(out.versions)
+    e.ids += out.token_ids
+    e.loss_mask += [1] * len(out.token_ids)
+    e.logprobs += list(out.logprobs)
+    e.turns += 1
+    e.last_generated = out.token_ids[-1] if out.token_ids else None
+    return tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
 def checked_step(result: Any) -> StepResult:

@@ -11,10 +11,12 @@ One engine in one spawned process serves every check (starting AsyncLLM costs ~1
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from rlhf_megatron.testing.agent_checks import assert_agent_endpoint
 from rlhf_megatron.testing.episodes import assert_async_episodes, run_with_three_turn_env
 from rlhf_megatron.testing.hf_reference import (
     TEST_KV_CACHE_GB,
@@ -32,6 +34,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
 
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
     from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
+    from rlhf_megatron.testing.agent_checks import agent_endpoint_checks
     from rlhf_megatron.testing.episodes import async_episode_checks
 
     engine = AsyncRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0,
@@ -61,6 +64,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
         out["tracked_after_generate_now"] = len(engine._streaming)
         out["generated_now"] = [(len(s.tokens), s.versions) for s in now[0].samples]
         out["episodes"] = async_episode_checks(engine, hf_dir, env_spec, new_state)
+        out["agents"] = agent_endpoint_checks(engine, hf_dir, str(Path(hf_dir).parent), new_state)
     finally:
         engine.shutdown()
     models = {}
@@ -105,3 +109,4 @@ def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
     assert out["tracked_after_take"] == out["tracked_after_generate_now"] == 0, out
     assert all(1 <= n <= 8 and versions == [1] * n for n, versions in out["generated_now"]), out
     assert_async_episodes(out["episodes"])
+    assert_agent_endpoint(out["agents"])

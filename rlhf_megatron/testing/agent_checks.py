@@ -1,0 +1,160 @@
+"""The agent endpoint checks of the async engine's test (test_async_rollout.py, on its AsyncLLM):
+agents written with the real ``openai`` SDK drive episodes through the OpenAI-compatible
+endpoint (issue 27). An honest agent (16 concurrent sessions, three turns each): the trained ids
+are the generated ones, the rollout log-probs equal an fp32 HF forward, no text mismatch. An agent
+that sends its turns back altered: the same ids, every altered turn counted. One agent sends bad
+requests and floods its session; one raises; one hangs past the time limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+AGENT_FILE = '''
+import asyncio, json
+import aiohttp
+import openai
+
+LOG = {}
+
+async def _three_turns(base_url, api_key, sample, alter):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    text = ""
+    async with client:
+        for turn in range(3):
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=12, logprobs=True)
+            text = reply.choices[0].message.content
+            LOG.setdefault(sample["prompt"], []).append(
+                [x.logprob for x in reply.choices[0].logprobs.content])
+            sent = "".join(text.split()) + "!" if alter else text
+            messages += [{"role": "assistant", "content": sent},
+                         {"role": "user", "content": f"result {turn * 17}"}]
+    return float(len(text) % 2)
+
+async def honest(base_url, api_key, sample):
+    return await _three_turns(base_url, api_key, sample, alter=False)
+
+async def altering(base_url, api_key, sample):
+    return await _three_turns(base_url, api_key, sample, alter=True)
+
+async def bad_requests(base_url, api_key, sample):
+    if sample["prompt"] == "crash":
+        raise RuntimeError("the agent's own bug")
+    if sample["prompt"] == "hang":
+        await asyncio.sleep(3600)
+    url = base_url + "/chat/completions"
+    good = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    auth = {"Authorization": "Bearer " + api_key}
+    seen = LOG.setdefault("statuses", {})
+    async with aiohttp.ClientSession() as http:
+        async def post(name, target, body, headers=auth):
+            kwargs = {"data": body} if isinstance(body, str) else {"json": body}
+            async with http.post(target, headers=headers, **kwargs) as r:
+                seen[name] = (r.status, await r.json())
+        await post("wrong_key", url, good, {"Authorization": "Bearer nope"})
+        await post("unknown_session", url.replace("/sessions/", "/sessions/x"), good)
+        await post("malformed", url, "{not json")
+        await post("no_messages", url, {"model": "policy"})
+        await post("n2", url, {**good, "n": 2})
+        await post("temperature", url, {**good, "temperature": 0.3})
+        async with http.post(url, headers=auth, json={**good, "stream": True}) as r:
+            seen["stream"] = (r.status, (await r.text()).splitlines())
+    chunks = [json.loads(line[6:]) for line in seen["stream"][1]
+              if line.startswith("data: {")]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": streamed},
+                {"role": "user", "content": "again"}]
+    async with client:
+        for flood in range(50):
+            try:
+                reply = await client.chat.completions.create(
+                    model="policy", messages=messages, max_tokens=4)
+            except openai.BadRequestError as exc:
+                seen["flood"] = (flood, exc.status_code, exc.body)
+                break
+            messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "again"}]
+    return 1.0
+'''
+
+
+def agent_endpoint_checks(engine: Any, hf_dir: str, work_dir: str, weights: dict) -> dict:
+    """On a running AsyncRolloutEngine whose weights are ``weights`` (HF names): the facts
+    checked by ``assert_agent_endpoint``."""
+    import transformers
+
+    from rlhf_megatron.environments.config import AgentConfig, EnvironmentConfig
+    from rlhf_megatron.environments.loader import load_agent
+    from rlhf_megatron.rollout import SamplingSettings
+    from rlhf_megatron.rollout.agent_episodes import AgentRunner
+    from rlhf_megatron.rollout.async_episodes import engine_turns
+    from rlhf_megatron.rollout.episodes import ChatFormat
+    from rlhf_megatron.testing.episodes import checked_against_hf
+
+    agent_file = Path(work_dir) / "agents.py"
+    agent_file.write_text(AGENT_FILE)
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    sampling = SamplingSettings(temperature=1.0, max_tokens=12, seed=5)
+    generate = engine_turns(engine, sampling)
+    out: dict = {}
+    for name, count, timeout in (("honest", 16, 120.0), ("altering", 4, 120.0),
+                                 ("bad_requests", 3, 8.0)):
+        spec = f"{agent_file}:{name}"
+        cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=timeout),
+                                max_turns=4, max_tokens_per_turn=12, max_tokens_per_episode=120)
+        turns: list[tuple[int, list[int]]] = []
+
+        async def recording(e, max_tokens, stop=(), turns=turns):
+            result = await generate(e, max_tokens, stop)
+            turns.append((e.sample_index, list(result.token_ids)))
+            return result
+
+        agent = load_agent(spec)
+        runner = AgentRunner(agent, cfg, ChatFormat(tok), recording, sampling)
+        prompts = ([f"question {i}" for i in range(count)] if name != "bad_requests"
+                   else ["crash", "hang", "bad"])
+        episodes = engine.run_coroutine(runner.run_async([{"prompt": p} for p in prompts]))
+        log = agent.__globals__["LOG"]
+        out[name] = {**checked_against_hf(episodes, turns, tok, hf_dir, weights),
+                     "agent_metrics": runner.metrics(episodes), "rewards":
+                     [e.reward for e in episodes],
+                     "returned_logprobs": [sum(log.get(p, []), []) for p in prompts],
+                     "kept_logprobs": [[lp for lp, m in zip(e.logprobs, e.loss_mask) if m]
+                                       for e in episodes],
+                     "statuses": dict(log.get("statuses", {}))}
+    return out
+
+
+def assert_agent_endpoint(out: dict) -> None:
+    """What agent_endpoint_checks must show (see the module docstring)."""
+    honest, altering, bad = out["honest"], out["altering"], out["bad_requests"]
+    for run in (honest, altering):
+        assert run["turns"] == [3] * len(run["turns"]) and not any(run["truncated"]), run
+        assert run["kept_equals_generated"], run
+        assert run["lp_diff"] < 1e-4, run
+        assert run["returned_logprobs"] == run["kept_logprobs"], run
+        assert run["agent_metrics"]["agent/failed_frac"] == 0.0, run
+    assert honest["agent_metrics"]["agent/sessions"] == 16
+    assert honest["agent_metrics"]["agent/text_mismatches"] == 0, honest["agent_metrics"]
+    # Re-tokenising the decoded turns drifts with this BPE: counted, never used for training.
+    assert honest["agent_metrics"]["agent/token_mismatches"] >= 1, honest["agent_metrics"]
+    assert altering["agent_metrics"]["agent/text_mismatches"] == 4 * 2, altering["agent_metrics"]
+    m = bad["agent_metrics"]
+    assert m["agent/failed_frac"] == 2 / 3 and bad["rewards"][:2] == [0.0, 0.0], bad
+    assert bad["rewards"][2] == 1.0, bad
+    statuses = bad["statuses"]
+    expected = {"wrong_key": 401, "unknown_session": 404, "malformed": 400, "no_messages": 400,
+                "n2": 400, "temperature": 400}
+    for name, status in expected.items():
+        got, body = statuses[name]
+        assert got == status, (name, statuses[name])
+        assert "\n" not in body["error"]["message"] and body["error"]["code"] == status, body
+    status, lines = statuses["stream"]
+    assert status == 200 and "data: [DONE]" in lines, lines
+    flood_turn, flood_status, flood_body = statuses["flood"]
+    message = flood_body.get("message") or flood_body["error"]["message"]
+    assert flood_status == 400 and "limit" in message, statuses["flood"]
+    assert m["agent/http_errors"] >= 7, m  # the six refusals and the flood's end
