@@ -122,10 +122,10 @@ class SessionTokens:
     def open_chat(self, s: AgentSession, messages: list[dict[str, Any]],
                   tools: list[dict[str, Any]] | None) -> None:
         """Before a chat turn: open the episode, or append what the agent added."""
+        if s.text is not None:
+            raise SessionError(409, f"session {s.sid} was opened with /v1/completions; "
+                                    "continue it there")
         if s.episode is None:
-            if s.text is not None:
-                raise SessionError(409, f"session {s.sid} was opened with /v1/completions; "
-                                        "continue it there")
             prompt = self.chat.prompt_ids(messages, tools)
             s.episode = Episode(s.index, len(prompt), list(prompt), [0] * len(prompt),
                                 [0.0] * len(prompt), s.state)

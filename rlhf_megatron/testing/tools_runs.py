@@ -49,10 +49,11 @@ def warm_start_paths(root: Path) -> dict[str, Path]:
             "prompts": root / "rl_prompts.jsonl", "val": root / "assets" / "val.jsonl"}
 
 
-def grpo(warm_start: dict[str, Path], run_dir: Path, head: RayHead, **extra: object
-         ) -> list[dict]:
-    """GRPO_STEPS of the tools quickstart's GRPO from the warm start; its per-step metrics."""
-    train("quickstart_tools_cpu.yaml", head, **{
+def grpo(warm_start: dict[str, Path], run_dir: Path, head: RayHead,
+         config: str = "quickstart_tools_cpu.yaml", **extra: object) -> list[dict]:
+    """GRPO_STEPS of the tools quickstart's GRPO (configs/`config`) from the warm start; its
+    per-step metrics."""
+    train(config, head, **{
         "model.path": warm_start["checkpoint"], "data.train_files": f"[{warm_start['prompts']}]",
         "data.val_files": f"[{warm_start['val']}]", "trainer.run_dir": run_dir,
         "trainer.total_steps": GRPO_STEPS, "trainer.dump_batch_steps": "[1]",

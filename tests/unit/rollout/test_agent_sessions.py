@@ -1,0 +1,123 @@
+"""Agent sessions without an engine (issue 27): the token bookkeeping of a session on the tools
+quickstart's word-level tokenizer and chat template, the tag-format tool calls, and the
+``environment.agent`` config's one-line errors. The endpoint over a real AsyncLLM with the
+``openai`` SDK is tested in tests/integration/rollout/test_async_rollout.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlhf_megatron import quickstart as rl_quickstart
+from rlhf_megatron import quickstart_tools
+from rlhf_megatron.config import load_config
+from rlhf_megatron.environments.config import AgentConfig, EnvironmentConfig
+from rlhf_megatron.environments.loader import load_agent
+from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.rollout.agent_episodes import AgentRunner
+from rlhf_megatron.rollout.agent_sessions import AgentSession, SessionError, SessionTokens
+from rlhf_megatron.rollout.agent_tools import parse_tag_calls
+from rlhf_megatron.rollout.episodes import ChatFormat, TurnOutput, record_turn
+
+PYTHON_TOOL = {"type": "function", "function": {"name": "python", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    return ChatFormat(rl_quickstart.write_tokenizer(out, quickstart_tools.vocabulary(),
+                                                    quickstart_tools.CHAT_TEMPLATE))
+
+
+def _turn(chat, session, text):
+    ids = chat.encode(text) + [chat.tokenizer.eos_token_id]
+    return record_turn(session.episode, TurnOutput(ids, [-0.5] * len(ids), "stop"),
+                       chat.tokenizer)
+
+
+def test_a_session_keeps_generated_ids_and_counts_what_the_agent_changed(chat):
+    cfg = EnvironmentConfig(max_turns=3, max_tokens_per_turn=16, max_tokens_per_episode=48)
+    tokens = SessionTokens(chat, cfg)
+    s = AgentSession("s", 0, {})
+    first = [{"role": "user", "content": "7 * 8 + 3"}]
+    tokens.open_chat(s, first, [PYTHON_TOOL])
+    prompt = list(s.episode.ids)
+    assert prompt == chat.prompt_ids(first)
+    text = _turn(chat, s, "<python> print( 7 * 8 + 3 ) </python>")
+    generated = list(s.episode.ids[len(prompt):])
+    s.sent = first + [{"role": "assistant", "content": text}]
+    honest = s.sent + [{"role": "tool", "content": "59"}]
+    tokens.open_chat(s, honest, [PYTHON_TOOL])
+    assert s.state.text_mismatches == s.state.token_mismatches == 0
+    # Only the tool turn and the next generation prompt are appended, with loss mask 0.
+    assert s.episode.ids == chat.prompt_ids(honest) and s.episode.loss_mask[len(prompt):] == \
+        [1] * len(generated) + [0] * (len(s.episode.ids) - len(prompt) - len(generated))
+    _turn(chat, s, "<answer> 59 </answer>")
+    kept = list(s.episode.ids)
+    s.sent = honest + [{"role": "assistant", "content": "<answer> 59 </answer>"}]
+    altered = honest + [{"role": "assistant", "content": "<answer> 58 </answer>"},
+                        {"role": "user", "content": "1"}]
+    tokens.open_chat(s, altered, None)
+    assert s.state.text_mismatches == s.state.token_mismatches == 1
+    assert s.episode.ids[:len(kept)] == kept  # the generated answer stays as generated
+    with pytest.raises(SessionError, match="reached its limit") as info:
+        _turn(chat, s, "2")
+        tokens.open_chat(s, altered + [{"role": "assistant", "content": "2"}], None)
+    assert info.value.status == 400 and s.episode.truncated
+
+
+def test_completions_continue_the_session_text_or_are_refused(chat):
+    tokens = SessionTokens(chat, EnvironmentConfig())
+    s = AgentSession("c", 0, {})
+    tokens.open_completion(s, "<user> 1 + 2 <eos> <assistant>")
+    s.text = "<user> 1 + 2 <eos> <assistant> 3"
+    with pytest.raises(SessionError) as info:
+        tokens.open_completion(s, "<user> 1 + 2 <eos> <assistant> 4 <eos>")
+    assert info.value.status == 409 and s.state.text_mismatches == 1
+    with pytest.raises(SessionError, match="completions"):
+        tokens.open_chat(s, [{"role": "user", "content": "1"}], None)
+
+
+def test_tag_calls_of_declared_tools_only():
+    calls = parse_tag_calls("a <python> print(1) </python> <shell>ls</shell>", [PYTHON_TOOL])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("python", '{"code": "print(1)"}')]
+
+
+def test_agent_results_that_are_not_rewards_end_the_episode_with_zero(chat):
+    async def agent(base_url, api_key, sample):
+        return None
+
+    runner = AgentRunner(agent, EnvironmentConfig(agent=AgentConfig(path="x.py:agent")), chat,
+                         None, None)
+    for result in (None, "1", float("nan"), ValueError("boom")):
+        s = AgentSession("r", 0, {"prompt": "1 + 2"})
+        e = runner._finish(s, result)
+        assert e.reward == 0.0 and not e.turn_rewards and s.state.error, result
+    e = runner._finish(AgentSession("r", 0, {"prompt": "1 + 2"}), 1)
+    assert e.reward == 1.0 and e.turn_rewards == [(len(e.ids) - 1, 1.0)]
+
+
+def test_agent_config_errors_are_one_line(tmp_path):
+    agents = tmp_path / "agents.py"
+    agents.write_text("def sync_agent(url, key, sample):\n    return 1.0\n"
+                      "async def agent(url, key, sample):\n    return 1.0\n")
+    cases = {
+        f"environment.agent.path={agents}:sync_agent": "not an async function",
+        f"environment.agent.path={agents}:missing": "has no function 'missing'",
+        f"environment.agent.path={tmp_path}/nope.py:agent": "does not exist",
+        "environment.agent.timeout_seconds=0": "expected a number > 0",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=message) as info:
+            load_config(None, [override]).environment.validate()
+        assert "\n" not in str(info.value)
+    both = load_config(None, ["environment.path=arithmetic_tool",
+                              f"environment.agent.path={agents}:agent"])
+    with pytest.raises(ConfigError, match="not both"):
+        both.environment.validate()
+    ok = load_config(None, [f"environment.agent.path={agents}:agent"]).environment
+    ok.validate()
+    assert ok.enabled and asyncio.iscoroutinefunction(load_agent(ok.agent.path))
