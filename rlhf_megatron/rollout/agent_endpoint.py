@@ -178,10 +178,9 @@ class AgentEndpoint:
         return out, text[:min(cut)] if cut else text
 
     def _logprobs(self, out: TurnOutput) -> list[dict[str, Any]]:
-        tok = self.chat.tokenizer
-        return [{"token": tok.decode([i]), "logprob": lp,
-                 "bytes": list(tok.decode([i]).encode()), "top_logprobs": []}
-                for i, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        texts = [self.chat.tokenizer.decode([i]) for i in out.token_ids]
+        return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(texts, out.logprobs, strict=True)]
 
     async def _chat(self, request: Any) -> Any:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest

@@ -142,8 +142,7 @@ class AgentRunner(EpisodeRunner):
         """The episode of an agent that never sent a request: its sample's prompt, nothing
         generated (no token to train)."""
         prompt = self.chat.prompt_ids([{"role": "user", "content": str(s.sample.get("prompt", ""))}])
-        s.episode = Episode(s.index, len(prompt), list(prompt), [0] * len(prompt),
-                            [0.0] * len(prompt), s.state)
+        s.episode = Episode.opened(s.index, prompt, s.state)
         return s.episode
 
     def metrics(self, episodes: Sequence[Episode]) -> dict[str, float]:

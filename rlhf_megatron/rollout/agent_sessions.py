@@ -127,8 +127,7 @@ class SessionTokens:
                                     "continue it there")
         if s.episode is None:
             prompt = self.chat.prompt_ids(messages, tools)
-            s.episode = Episode(s.index, len(prompt), list(prompt), [0] * len(prompt),
-                                [0.0] * len(prompt), s.state)
+            s.episode = Episode.opened(s.index, prompt, s.state)
             return
         last = last_assistant(messages)
         if last is None:
@@ -142,8 +141,7 @@ class SessionTokens:
         suffix (the prompt must continue the session's text)."""
         if s.episode is None:
             ids = self.chat.encode(prompt)
-            s.episode = Episode(s.index, len(ids), list(ids), [0] * len(ids), [0.0] * len(ids),
-                                s.state)
+            s.episode = Episode.opened(s.index, ids, s.state)
             s.text = prompt
             return
         if s.text is None:

@@ -132,6 +132,11 @@ class Episode:
     def episode_tokens(self) -> int:
         return len(self.ids) - self.prompt_len
 
+    @classmethod
+    def opened(cls, index: int, prompt: Sequence[int], env: Environment) -> Episode:
+        """A new episode whose stream is ``prompt`` (loss mask 0, log-prob 0 on it)."""
+        return cls(index, len(prompt), list(prompt), [0] * len(prompt), [0.0] * len(prompt), env)
+
 
 class EpisodeRunner:
     """Runs many episodes of one environment class concurrently (see the module docstring).
@@ -181,8 +186,7 @@ class EpisodeRunner:
     def _start(self, index: int, sample: dict[str, Any]) -> Episode:
         env = self.env_cls(**self.cfg.kwargs)
         prompt = self.chat.prompt_ids(env.reset(sample))
-        return Episode(index, len(prompt), list(prompt), [0] * len(prompt),
-                       [0.0] * len(prompt), env)
+        return Episode.opened(index, prompt, env)
 
     def _apply(self, e: Episode, result: StepResult) -> None:
         obs, reward, done = result

@@ -62,8 +62,8 @@ def test_a_session_keeps_generated_ids_and_counts_what_the_agent_changed(chat):
     tokens.open_chat(s, altered, None)
     assert s.state.text_mismatches == s.state.token_mismatches == 1
     assert s.episode.ids[:len(kept)] == kept  # the generated answer stays as generated
+    _turn(chat, s, "2")
     with pytest.raises(SessionError, match="reached its limit") as info:
-        _turn(chat, s, "2")
         tokens.open_chat(s, altered + [{"role": "assistant", "content": "2"}], None)
     assert info.value.status == 400 and s.episode.truncated
 
