@@ -128,6 +128,32 @@ def generate_episodes(run: Run, rows: Sequence[PromptRow],
     return batch, scores, metrics
 
 
+def score_episodes(run: Run, batch: TokenBatch, rows: Sequence[PromptRow],
+                   scores: torch.Tensor) -> Future:
+    """An episode batch's (bs,) rewards as a Future: ``scores`` as its drivers gave them, and,
+    for the rows whose agent left the reward to the configured one (batch field
+    ``episode_scored`` False, rollout/agent_episodes.py), the ``reward:`` section's score of
+    the episode's generated text (score_async on those rows; ``rows`` indexed by
+    prompt_index). compute_advantages_phase puts those at the episode's last generated token."""
+    scored = batch.fields.get("episode_scored")
+    if scored is None or bool(scored.all()):
+        return done(scores)
+    unscored = torch.nonzero(~scored).flatten()
+    pending = score_async(run, batch.select(unscored), rows)
+    result: Future = Future()
+
+    def fill(f: Future) -> None:
+        if f.exception() is not None:
+            result.set_exception(f.exception())
+            return
+        full = scores.clone().float()
+        full[unscored] = f.result().float()
+        result.set_result(full)
+
+    pending.add_done_callback(fill)
+    return result
+
+
 def decode_responses(run: Run, batch: TokenBatch) -> list[str]:
     texts = []
     for ids, mask in zip(batch.input_ids, batch.loss_mask, strict=True):
@@ -238,7 +264,12 @@ def compute_advantages_phase(run: Run, batch: TokenBatch,
                                      run.cfg.rollout.sampling.max_tokens)  # DAPO; off: as is
     token_scores[torch.arange(len(batch)), last] = shaped.float()
     if batch.fields.get("episode_rewards") is not None:  # multi-turn: each turn's own reward
-        token_scores = batch.fields["episode_rewards"].float()
+        token_scores = batch.fields["episode_rewards"].float().clone()
+        left = ~batch.fields.get("episode_scored", torch.ones(len(batch), dtype=torch.bool))
+        if bool(left.any()):  # the configured reward, at the last generated token
+            width = torch.arange(mask.shape[1])
+            last_generated = (width * batch.loss_mask.long()).max(-1).values
+            token_scores[left, last_generated[left]] = scores[left].float()
     metrics = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if
                len(scores) > 1 else 0.0, "reward/max": float(scores.max()),
                "reward/min": float(scores.min()), **shaping}

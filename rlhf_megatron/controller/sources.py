@@ -95,4 +95,4 @@ class EpisodeSource(SyncSource):
         batch, scores, generated = phases.generate_episodes(run, rows, seed)
         metrics.update(phases.after_generate(run))
         metrics.update(generated)
-        return StepRollout(batch, phases.done(scores), metrics)
+        return StepRollout(batch, phases.score_episodes(run, batch, rows, scores), metrics)

@@ -136,10 +136,9 @@ class StreamSource:
         batch = groups_to_batch(groups)
         metrics.update(_batch_metrics(batch, groups))
         if run.cfg.environment.enabled:  # each episode's reward came back with it
-            rewards, turn_rewards = episode_scores(groups, batch.input_ids.shape[1])
-            batch = batch.with_fields(episode_rewards=turn_rewards)
+            _, turn_rewards, scored = episode_scores(groups, batch.input_ids.shape[1])
+            batch = batch.with_fields(episode_rewards=turn_rewards, episode_scored=scored)
             metrics.update(group_metrics(groups))
-            scores = rewards if scores is None else scores
         future = phases.done(scores) if scores is not None else self._score(groups, batch)
         return StepRollout(batch, future, metrics, keys=[g.key for g in groups],
                            dropped=dropped)
@@ -147,9 +146,11 @@ class StreamSource:
     def _score(self, groups: list[RolloutGroup], batch: Any) -> Any:
         """The groups' (bs,) sequence rewards as a Future: an episode's came back with it, a
         single-turn response is scored by the rewards."""
-        if self.run.cfg.environment.enabled:
-            return phases.done(episode_scores(groups, batch.input_ids.shape[1])[0])
         rows = [self.stream.item(g.key)[0] for g in groups]
+        if self.run.cfg.environment.enabled:  # an agent may leave it to the configured reward
+            scores, _, scored = episode_scores(groups, batch.input_ids.shape[1])
+            return phases.score_episodes(self.run, batch.with_fields(episode_scored=scored),
+                                         rows, scores)
         return phases.score_async(self.run, batch, rows)
 
     def _informative(self, groups: list[RolloutGroup]

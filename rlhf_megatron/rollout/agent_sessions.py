@@ -45,6 +45,8 @@ class AgentEpisodeState(Environment):
         self.token_mismatches = 0
         self.http_errors = 0
         self.error: str | None = None
+        self.left_to_reward = False
+        """The agent returned None: the configured reward scores the episode."""
         self.generate_seconds = 0.0
         self.handler_seconds = 0.0
 

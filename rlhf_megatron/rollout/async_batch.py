@@ -55,16 +55,19 @@ def groups_to_batch(groups: Sequence[RolloutGroup]) -> TokenBatch:
 
 
 def episode_scores(groups: Sequence[RolloutGroup], width: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Episode groups (rollout/async_episodes.py): the (bs,) episode rewards and the (bs, width)
-    per-turn rewards at each turn's last generated token, rows as groups_to_batch lays them."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Episode groups (rollout/async_episodes.py): the (bs,) episode rewards, the (bs, width)
+    per-turn rewards at each turn's last generated token and the (bs,) bool ``episode_scored``
+    (False where the reward is left to the configured one: 0 here), rows as groups_to_batch
+    lays them."""
     samples = [(len(g.prompt), s) for g in groups for s in g.samples]
     turn = torch.zeros(len(samples), width, dtype=torch.float32)
     for row, (p, sample) in enumerate(samples):
         for pos, reward in sample.turn_rewards:
             turn[row, p + pos] += reward
     scores = torch.tensor([float(s.reward or 0.0) for _, s in samples], dtype=torch.float32)
-    return scores, turn
+    scored = torch.tensor([s.reward is not None for _, s in samples], dtype=torch.bool)
+    return scores, turn, scored
 
 
 def group_metrics(groups: Sequence[RolloutGroup]) -> dict[str, float]:

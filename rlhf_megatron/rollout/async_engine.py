@@ -70,7 +70,8 @@ class SampleRecord:
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     """Episodes: (position in `tokens` of a turn's last generated token, its reward)."""
     reward: float | None = None
-    """Episodes: the summed turn rewards (the sequence score)."""
+    """Episodes: the summed turn rewards (the sequence score); None: left to the configured
+    reward (an agent that returned None, rollout/agent_episodes.py)."""
 
 
 @dataclass

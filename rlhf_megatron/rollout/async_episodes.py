@@ -115,5 +115,6 @@ class EpisodeGroups:
             records.append(SampleRecord(list(e.ids), list(e.logprobs), versions,
                                         "length" if e.truncated else "stop",
                                         loss_mask=list(e.loss_mask),
-                                        turn_rewards=list(e.turn_rewards), reward=e.reward))
+                                        turn_rewards=list(e.turn_rewards),
+                                        reward=e.reward if e.scored else None))
         return records, runner.metrics(episodes)

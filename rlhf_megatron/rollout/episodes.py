@@ -127,6 +127,9 @@ class Episode:
     done: bool = False
     truncated: bool = False
     last_generated: int | None = None
+    scored: bool = True
+    """False: the driver left the reward to the configured ``reward:`` section (an agent that
+    returned None), which the controller scores on the episode's generated text."""
 
     @property
     def episode_tokens(self) -> int:
@@ -241,7 +244,8 @@ def step_failed(exc: BaseException, e: Episode) -> StepResult:
 def episodes_to_batch(episodes: Sequence[Episode], sampling: Any = None) -> TokenBatch:
     """Right-padded TokenBatch: input_ids, attention_mask, loss_mask (1 on generated tokens), and
     fields rollout_logprobs (bs, S), token_level_rewards (bs, S) (each turn's reward at its last
-    generated token), prompt_index (bs,) and scores (bs,) (the episode's summed reward); with
+    generated token), prompt_index (bs,), scores (bs,) (the episode's summed reward) and
+    episode_scored (bs,) (False: left to the configured reward, Episode.scored); with
     `sampling` (the SamplingSettings every turn used), the rows' temperature / top_p / top_k."""
     width = max(len(e.ids) for e in episodes)
     bs = len(episodes)
@@ -262,7 +266,8 @@ def episodes_to_batch(episodes: Sequence[Episode], sampling: Any = None) -> Toke
     return TokenBatch(ids, attn, loss, {
         "rollout_logprobs": lps, "token_level_rewards": rewards,
         "prompt_index": torch.tensor([e.sample_index for e in episodes]),
-        "scores": torch.tensor([e.reward for e in episodes], dtype=torch.float32), **extra})
+        "scores": torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+        "episode_scored": torch.tensor([e.scored for e in episodes], dtype=torch.bool), **extra})
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -112,8 +112,8 @@ def test_episode_groups_become_rows_with_their_masks_versions_and_turn_rewards()
     assert batch.loss_mask[1].tolist() == [0, 0, 1, 0, 0, 0, 0]
     assert batch.fields["token_versions"][0].tolist() == [-1, -1, 2, 2, -1, -1, 3]
     assert batch.prompt_index.tolist() == [0, 0, 1, 1]
-    scores, turns = episode_scores(groups, batch.input_ids.shape[1])
-    assert scores.tolist() == [1.0, 0.5, 0.5, 0.5]
+    scores, turns, scored = episode_scores(groups, batch.input_ids.shape[1])
+    assert scores.tolist() == [1.0, 0.5, 0.5, 0.5] and scored.all()
     assert turns[0].tolist() == [0, 0, 0, 0, 0, 0, 1.0] and turns[1, 2] == 0.5
     assert group_metrics(groups) == {"episode/tool_use_rate": 0.25}
     split = split_by_staleness(groups, trainer_version=3, max_staleness=1)

@@ -86,18 +86,29 @@ def test_tag_calls_of_declared_tools_only():
         [("python", '{"code": "print(1)"}')]
 
 
-def test_agent_results_that_are_not_rewards_end_the_episode_with_zero(chat):
+def test_agent_results_that_are_not_rewards_end_the_episode_with_zero_and_none_defers(chat):
     async def agent(base_url, api_key, sample):
         return None
 
     runner = AgentRunner(agent, EnvironmentConfig(agent=AgentConfig(path="x.py:agent")), chat,
                          None, None)
-    for result in (None, "1", float("nan"), ValueError("boom")):
+    for result in ("1", float("nan"), ValueError("boom"), True):
         s = AgentSession("r", 0, {"prompt": "1 + 2"})
         e = runner._finish(s, result)
         assert e.reward == 0.0 and not e.turn_rewards and s.state.error, result
     e = runner._finish(AgentSession("r", 0, {"prompt": "1 + 2"}), 1)
     assert e.reward == 1.0 and e.turn_rewards == [(len(e.ids) - 1, 1.0)]
+    # None leaves the reward to the configured one, for an episode that generated something;
+    # one that never sent a request has nothing to score and keeps 0.
+    idle = AgentSession("r", 0, {"prompt": "1 + 2"})
+    e = runner._finish(idle, None)
+    assert e.scored and e.reward == 0.0 and not idle.state.error
+    s = AgentSession("s", 1, {})
+    SessionTokens(chat, runner.cfg).open_chat(s, [{"role": "user", "content": "1 + 2"}], None)
+    _turn(chat, s, "<answer> 3 </answer>")
+    e = runner._finish(s, None)
+    assert not e.scored and not e.turn_rewards and not s.state.error
+    assert runner.metrics([e])["agent/reward_by_config_frac"] == 1.0
 
 
 def test_agent_config_errors_are_one_line(tmp_path):
