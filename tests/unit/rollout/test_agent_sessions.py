@@ -6,6 +6,7 @@ quickstart's word-level tokenizer and chat template, the tag-format tool calls, 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from rlhf_megatron.rollout.agent_sessions import AgentSession, SessionError, Ses
 from rlhf_megatron.rollout.agent_tools import parse_tag_calls
 from rlhf_megatron.rollout.episodes import ChatFormat, TurnOutput, record_turn
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
 
@@ -132,3 +134,40 @@ def test_agent_config_errors_are_one_line(tmp_path):
     ok = load_config(None, [f"environment.agent.path={agents}:agent"]).environment
     ok.validate()
     assert ok.enabled and asyncio.iscoroutinefunction(load_agent(ok.agent.path))
+
+
+def test_an_agents_sdk_agent_runs_its_react_loop_through_the_endpoint(chat):
+    """configs/agents/calculator_agents_sdk.py, the OpenAI Agents SDK's own loop, over the real
+    endpoint and a scripted policy (a tool call, then the answer): the tool ran in the sandbox,
+    its output is in the stream with loss mask 0, the SDK sent every turn back as it was
+    returned, and the episode is left to the configured reward (answer_tag_reward.py)."""
+    from rlhf_megatron.rewards import RewardConfig, RewardManager
+    from rlhf_megatron.rollout import SamplingSettings
+
+    script = ["<python> print( 7 * 8 + 3 ) </python>", "<answer> 59 </answer>"]
+
+    async def scripted(e, max_tokens, stop=()):
+        ids = chat.encode(script[min(e.turns, 1)]) + [chat.tokenizer.eos_token_id]
+        return TurnOutput(ids, [-0.5] * len(ids), "stop")
+
+    spec = f"{REPO_ROOT / 'configs' / 'agents' / 'calculator_agents_sdk.py'}:calculator"
+    cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=60), max_turns=3,
+                            max_tokens_per_turn=16, max_tokens_per_episode=48)
+    runner = AgentRunner(load_agent(spec), cfg, chat, scripted,
+                         SamplingSettings(temperature=1.0, max_tokens=16))
+    episodes = asyncio.run(runner.run_async([{"prompt": "7 * 8 + 3"}] * 2))
+    metrics = runner.metrics(episodes)
+    assert metrics["agent/failed_frac"] == 0 and metrics["agent/reward_by_config_frac"] == 1
+    assert metrics["agent/text_mismatches"] == metrics["agent/token_mismatches"] == 0
+    assert metrics["episode/turns_mean"] == 2 and metrics["agent/requests_mean"] == 2
+    for e in episodes:
+        assert not e.scored and e.turns == 2
+        text = chat.tokenizer.decode(e.ids)
+        assert "<tool> 59" in text, text  # the sandbox's output, sent back by the SDK
+        generated = [i for i, m in zip(e.ids, e.loss_mask, strict=True) if m]
+        assert chat.tokenizer.decode(generated, skip_special_tokens=True).split() == \
+            " ".join(script).split()
+    answer = chat.tokenizer.decode(generated, skip_special_tokens=True)
+    reward = RewardManager(RewardConfig(custom_function=str(
+        REPO_ROOT / "configs" / "agents" / "answer_tag_reward.py") + ":compute_score"))
+    assert reward.compute([answer, script[0]], ["59", "59"]).tolist() == [1.0, 0.0]
