@@ -49,6 +49,32 @@ def _step(engine, cfg, samples, seed):
     return time.perf_counter() - start, batch, metrics
 
 
+def _floor(chat, cfg, sessions: int, rounds: int) -> float:
+    """Milliseconds a request costs through the endpoint with a policy that takes no time (a
+    fixed one-turn answer): the agent's client, HTTP, the handler and the session's bookkeeping,
+    everything the endpoint adds to a turn. Median over ``rounds`` runs of ``sessions``."""
+    import asyncio
+
+    from rlhf_megatron.environments.loader import load_agent
+    from rlhf_megatron.rollout.agent_episodes import AgentRunner
+    from rlhf_megatron.rollout.episodes import TurnOutput
+
+    ids = chat.encode("<answer> 59 </answer>") + [chat.tokenizer.eos_token_id]
+
+    async def instant(e, max_tokens, stop=()):
+        return TurnOutput(ids, [-0.5] * len(ids), "stop")
+
+    agent = load_agent(cfg.environment.agent.path)
+    samples = [{"prompt": "7 * 8 + 3", "answer": "59"}] * sessions
+    costs = []
+    for _ in range(rounds + 1):
+        runner = AgentRunner(agent, cfg.environment, chat, instant, cfg.rollout.sampling)
+        start = time.perf_counter()
+        asyncio.run(runner.run_async(samples))
+        costs.append(1000 * (time.perf_counter() - start) / sessions)
+    return statistics.median(costs[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -59,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     import torch
+    import transformers
 
     from rlhf_megatron import quickstart_tools
     from rlhf_megatron.rollout import RolloutConfig
     from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
+    from rlhf_megatron.rollout.episodes import ChatFormat
 
     env_cfg, agent_cfg = _configs()
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=engine_cfg.max_model_len, seed=0, dtype=engine_cfg.dtype,
             cpu_kv_cache_gb=engine_cfg.cpu_kv_cache_gb), capacity=64)
         ratios, times = [], {"in_process": [], "endpoint": []}
+        episodes, turns = args.prompts * env_cfg.rollout.sampling.n, 0.0
         try:
             for r in range(args.rounds + 1):  # round 0 warms both paths up
                 samples = rows[r * args.prompts:(r + 1) * args.prompts]
@@ -85,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 if r == 0:
                     continue
+                turns += local_m["episode/turns_mean"] / args.rounds
                 times["in_process"].append(local)
                 times["endpoint"].append(served)
                 ratios.append(served / local)
@@ -95,12 +125,18 @@ def main(argv: list[str] | None = None) -> int:
                       f"{served_m['agent/token_mismatches']:.0f}")
         finally:
             engine.shutdown()
+        floor = _floor(ChatFormat(transformers.AutoTokenizer.from_pretrained(str(hf_dir))),
+                       agent_cfg, episodes, args.rounds)
     ratio = statistics.median(ratios)
-    episodes = args.prompts * env_cfg.rollout.sampling.n
-    print(f"{episodes} episodes a step: in-process {statistics.median(times['in_process']):.3f} s, "
+    local = statistics.median(times["in_process"])
+    print(f"{episodes} episodes a step ({turns:.2f} turns each): in-process {local:.3f} s, "
           f"endpoint {statistics.median(times['endpoint']):.3f} s (medians of {args.rounds})")
     print(f"endpoint / in-process = {ratio:.3f} (target <= {TARGET}: "
           f"{'met' if ratio <= TARGET else 'NOT met'})")
+    per_turn = 1000 * local / (episodes * turns)
+    print(f"floor: {floor:.2f} ms a request through the endpoint with a policy that takes no "
+          f"time, against {per_turn:.2f} ms a turn in-process here; {TARGET - 1:.0%} overhead is "
+          f"reached once a turn takes >= {floor / (TARGET - 1):.1f} ms")
     return 0
 
 
