@@ -16,7 +16,9 @@ a wrong key (401), an unknown or finished session (404, 410), a malformed body (
 than 1 (a session is one token stream), a ``temperature`` or ``top_p`` other than the run's (the
 trainer's log-probs are of the run's sampling), a turn past the episode's limits (400).
 ``stream: true`` is answered as server-sent events, after the turn is generated (one content
-chunk, one tool-call chunk, the finish chunk, ``[DONE]``).
+chunk, one tool-call chunk, the finish chunk, ``[DONE]``). A client that loses its connection
+mid-turn (a timeout, a disconnect) and sends the same request again is answered with the turn
+already generated (``agent/replays``), as the ``openai`` SDK's own retries expect.
 """
 
 from __future__ import annotations
@@ -191,6 +193,11 @@ class AgentEndpoint:
         tools = body.get("tools") or None
         messages = plain_messages(req.messages)
         async with s.lock:
+            if s.last_reply is not None and s.last_request == (messages, tools):
+                # The same request again: a client that timed out or lost the connection
+                # retries; it gets the turn already generated (a session is one token stream).
+                s.state.replays += 1
+                return await self._send(request, s, s.last_reply, req.stream)
             start = time.perf_counter()
             self.tokens.open_chat(s, messages, tools)
             budget = self.tokens.budget(s, req.max_completion_tokens or req.max_tokens)
@@ -212,7 +219,12 @@ class AgentEndpoint:
         reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                  "created": int(time.time()), "model": req.model or "policy",
                  "choices": [choice], "usage": usage}
-        if req.stream:
+        s.last_request, s.last_reply = (messages, tools), reply
+        return await self._send(request, s, reply, req.stream)
+
+    async def _send(self, request: Any, s: AgentSession, reply: dict[str, Any],
+                    stream: bool) -> Any:
+        if stream:
             return await self._stream(request, s, reply)
         from aiohttp import web
 

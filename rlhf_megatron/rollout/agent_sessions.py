@@ -45,6 +45,8 @@ class AgentEpisodeState(Environment):
         self.token_mismatches = 0
         self.http_errors = 0
         self.error: str | None = None
+        self.replays = 0
+        """Requests answered again with the turn already generated (a client's retry)."""
         self.left_to_reward = False
         """The agent returned None: the configured reward scores the episode."""
         self.generate_seconds = 0.0
@@ -61,6 +63,9 @@ class AgentSession:
         self.episode: Episode | None = None
         self.sent: list[dict[str, Any]] = []
         self.text: str | None = None
+        self.last_request: tuple[list[dict[str, Any]], Any] | None = None
+        self.last_reply: dict[str, Any] | None = None
+        """The last chat request (messages, tools) and its reply, for a client's retry."""
         self.lock = asyncio.Lock()
         self.closed = False
 

@@ -171,3 +171,74 @@ def test_an_agents_sdk_agent_runs_its_react_loop_through_the_endpoint(chat):
     reward = RewardManager(RewardConfig(custom_function=str(
         REPO_ROOT / "configs" / "agents" / "answer_tag_reward.py") + ":compute_score"))
     assert reward.compute([answer, script[0]], ["59", "59"]).tolist() == [1.0, 0.0]
+
+
+DROPPING_AGENT = '''
+import asyncio
+
+import aiohttp
+
+from rlhf_megatron.environments.loader import load_agent
+
+calculator = load_agent(CALCULATOR)
+TOOLS = calculator.__globals__["PYTHON_TOOL"]
+
+
+async def agent(base_url, api_key, sample):
+    if sample.get("drop"):  # a streamed request dropped mid-turn, as a client timeout does
+        body = {"model": "policy", "messages": [{"role": "user", "content": sample["prompt"]}],
+                "tools": [TOOLS], "stream": True}
+        headers = {"Authorization": f"Bearer {api_key}"}
+        async with aiohttp.ClientSession() as http:
+            try:
+                async with asyncio.timeout(0.3):
+                    async with http.post(f"{base_url}/chat/completions", json=body,
+                                         headers=headers) as reply:
+                        await reply.read()
+            except TimeoutError:
+                pass
+    return await calculator(base_url, api_key, sample)  # retries the same first request
+'''
+
+
+def test_64_sessions_and_a_dropped_connection_end_cleanly(chat, tmp_path):
+    """64 concurrent sessions of the openai-SDK calculator (configs/agents/calculator_openai.py)
+    and one whose first, streamed request is dropped mid-turn: its retry of the same request gets
+    the turn already generated (nothing generated twice), every episode ends with its reward, and
+    nothing is left behind (no agent thread, no child process, no /dev/shm file)."""
+    import multiprocessing
+    import os
+    import threading
+
+    from rlhf_megatron.rollout import SamplingSettings
+
+    script = ["<python> print( 7 * 8 + 3 ) </python>", "<answer> 59 </answer>"]
+    generated: list[int] = []
+
+    async def scripted(e, max_tokens, stop=()):
+        await asyncio.sleep(1.0 if e.sample_index == 0 and e.turns == 0 else 0.01)
+        generated.append(e.sample_index)
+        ids = chat.encode(script[min(e.turns, 1)]) + [chat.tokenizer.eos_token_id]
+        return TurnOutput(ids, [-0.5] * len(ids), "stop")
+
+    calculator = REPO_ROOT / "configs" / "agents" / "calculator_openai.py"
+    agent_file = tmp_path / "dropping.py"
+    agent_file.write_text(f"CALCULATOR = {str(calculator) + ':calculator'!r}\n" + DROPPING_AGENT)
+    spec = f"{agent_file}:agent"
+    cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=60), max_turns=3,
+                            max_tokens_per_turn=16, max_tokens_per_episode=48)
+    shm = set(os.listdir("/dev/shm"))
+    runner = AgentRunner(load_agent(spec), cfg, chat, scripted,
+                         SamplingSettings(temperature=1.0, max_tokens=16))
+    samples = [{"prompt": "7 * 8 + 3", "answer": "59", "drop": True}] + \
+        [{"prompt": "7 * 8 + 3", "answer": "59"}] * 64
+    episodes = asyncio.run(runner.run_async(samples))
+    metrics = runner.metrics(episodes)
+    assert [e.reward for e in episodes] == [1.0] * 65
+    assert metrics["agent/failed_frac"] == 0 and metrics["agent/replays"] == 1
+    assert metrics["agent/text_mismatches"] == metrics["agent/token_mismatches"] == 0
+    assert generated.count(0) == 2 and len(generated) == 130  # two turns each, none twice
+    assert episodes[0].ids == episodes[1].ids
+    assert not [t for t in threading.enumerate() if t.name == "agents"]
+    assert not multiprocessing.active_children()
+    assert set(os.listdir("/dev/shm")) <= shm
