@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rlhf_megatron.environments.loader import load_agent, load_environment
@@ -34,6 +37,30 @@ class AgentConfig:
                               "expected a number > 0")
         if self.path is not None:
             load_agent(self.path)
+        known = vllm_tool_parser_names()
+        if self.tool_parser is not None and known and self.tool_parser not in known:
+            raise ConfigError(f"environment.agent.tool_parser={self.tool_parser!r}: not a vLLM "
+                              f"tool parser (known: {', '.join(sorted(known))})")
+
+
+def vllm_tool_parser_names() -> set[str]:
+    """The tool parser names the installed vLLM registers, read from the source of
+    ``vllm/tool_parsers/__init__.py`` (its ``_TOOL_PARSERS_TO_REGISTER`` table) without importing
+    vLLM (~11 s on CPU); empty where vLLM or that table is absent, and the endpoint's own lookup
+    (rollout/agent_tools.vllm_tool_parser) is then the check."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    source = Path(list(spec.submodule_search_locations)[0]) / "tool_parsers" / "__init__.py"
+    if not source.is_file():
+        return set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                isinstance(t, ast.Name) and t.id == "_TOOL_PARSERS_TO_REGISTER"
+                for t in node.targets):
+            return {k.value for k in node.value.keys
+                    if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return set()
 
 
 @dataclass

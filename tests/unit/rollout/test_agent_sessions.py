@@ -122,6 +122,7 @@ def test_agent_config_errors_are_one_line(tmp_path):
         f"environment.agent.path={agents}:missing": "has no function 'missing'",
         f"environment.agent.path={tmp_path}/nope.py:agent": "does not exist",
         "environment.agent.timeout_seconds=0": "expected a number > 0",
+        "environment.agent.tool_parser=hermse": "not a vLLM tool parser .known: .*hermes",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message) as info:
@@ -131,7 +132,8 @@ def test_agent_config_errors_are_one_line(tmp_path):
                               f"environment.agent.path={agents}:agent"])
     with pytest.raises(ConfigError, match="not both"):
         both.environment.validate()
-    ok = load_config(None, [f"environment.agent.path={agents}:agent"]).environment
+    ok = load_config(None, [f"environment.agent.path={agents}:agent",
+                            "environment.agent.tool_parser=qwen3_xml"]).environment
     ok.validate()
     assert ok.enabled and asyncio.iscoroutinefunction(load_agent(ok.agent.path))
 
