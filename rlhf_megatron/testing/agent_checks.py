@@ -3,7 +3,8 @@ agents written with the real ``openai`` SDK drive episodes through the OpenAI-co
 endpoint (issue 27). An honest agent (16 concurrent sessions, three turns each): the trained ids
 are the generated ones, the rollout log-probs equal an fp32 HF forward, no text mismatch. An agent
 that sends its turns back altered: the same ids, every altered turn counted. One agent sends bad
-requests and floods its session; one raises; one hangs past the time limit."""
+requests and floods its session; one raises; one hangs past the time limit. One session spans a
+refit: each generated token records the weight version that sampled it."""
 
 from __future__ import annotations
 
@@ -38,6 +39,22 @@ async def honest(base_url, api_key, sample):
 
 async def altering(base_url, api_key, sample):
     return await _three_turns(base_url, api_key, sample, alter=True)
+
+async def spanning(base_url, api_key, sample):
+    """Two turns with a refit between them (the check's thread refits once LOG says so)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    async with client:
+        for turn in range(2):
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=12)
+            if turn == 0:
+                LOG["first_turn_done"] = True
+                while not LOG.get("refit_done"):
+                    await asyncio.sleep(0.01)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "result 3"}]
+    return 1.0
 
 async def bad_requests(base_url, api_key, sample):
     if sample["prompt"] == "crash":
@@ -125,7 +142,56 @@ def agent_endpoint_checks(engine: Any, hf_dir: str, work_dir: str, weights: dict
                      "kept_logprobs": [[lp for lp, m in zip(e.logprobs, e.loss_mask) if m]
                                        for e in episodes],
                      "statuses": dict(log.get("statuses", {}))}
+    out["spanning"] = _spanning_a_refit(engine, tok, agent_file, sampling, weights)
     return out
+
+
+def _spanning_a_refit(engine: Any, tok: Any, agent_file: Path, sampling: Any,
+                      weights: dict) -> dict:
+    """One session whose agent waits after its first turn while this thread refits the engine
+    (the same weights, the next version): the weight version of each generated token."""
+    import threading
+    import time
+
+    from rlhf_megatron.environments.config import AgentConfig, EnvironmentConfig
+    from rlhf_megatron.environments.loader import load_agent
+    from rlhf_megatron.rollout.agent_episodes import AgentRunner
+    from rlhf_megatron.rollout.async_episodes import engine_turns
+    from rlhf_megatron.rollout.episodes import ChatFormat
+    from rlhf_megatron.testing.hf_reference import layer_buckets
+
+    spec = f"{agent_file}:spanning"
+    agent = load_agent(spec)
+    log = agent.__globals__["LOG"]
+    before = engine.weight_version
+
+    def refit() -> None:
+        deadline = time.monotonic() + 60
+        while not log.get("first_turn_done") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.begin_weight_update()
+        for bucket in layer_buckets(weights):
+            engine.load_weights(bucket)
+        engine.finish_weight_update(before + 1)
+        log["refit_done"] = True
+
+    thread = threading.Thread(target=refit, daemon=True)
+    thread.start()
+    cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=60), max_turns=4,
+                            max_tokens_per_turn=12, max_tokens_per_episode=120)
+    runner = AgentRunner(agent, cfg, ChatFormat(tok), engine_turns(engine, sampling), sampling)
+    (e,) = engine.run_coroutine(runner.run_async([{"prompt": "question 0"}]))
+    thread.join(timeout=60)
+    versions = e.versions + [-1] * (len(e.ids) - len(e.versions))
+    spans, current = [], []
+    for mask, version in zip(e.loss_mask, versions, strict=True):
+        if mask:
+            current.append(version)
+        elif current:
+            spans, current = spans + [current], []
+    return {"before": before, "turn_versions": spans + ([current] if current else []),
+            "unsampled_versions": {v for m, v in zip(e.loss_mask, versions, strict=True)
+                                   if not m}, "reward": e.reward}
 
 
 def assert_agent_endpoint(out: dict) -> None:
@@ -158,3 +224,8 @@ def assert_agent_endpoint(out: dict) -> None:
     message = flood_body.get("message") or flood_body["error"]["message"]
     assert flood_status == 400 and "limit" in message, statuses["flood"]
     assert m["agent/http_errors"] >= 7, m  # the six refusals and the flood's end
+    # A session across a refit: its first turn's tokens carry the old version, its second the new.
+    span = out["spanning"]
+    v = span["before"]
+    assert [set(t) for t in span["turn_versions"]] == [{v}, {v + 1}], span
+    assert span["unsampled_versions"] == {-1} and span["reward"] == 1.0, span
