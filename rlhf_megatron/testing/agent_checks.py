@@ -8,6 +8,8 @@ refit: each generated token records the weight version that sampled it."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +152,6 @@ def _spanning_a_refit(engine: Any, tok: Any, agent_file: Path, sampling: Any,
                       weights: dict) -> dict:
     """One session whose agent waits after its first turn while this thread refits the engine
     (the same weights, the next version): the weight version of each generated token."""
-    import threading
-    import time
-
     from rlhf_megatron.environments.config import AgentConfig, EnvironmentConfig
     from rlhf_megatron.environments.loader import load_agent
     from rlhf_megatron.rollout.agent_episodes import AgentRunner
