@@ -37,8 +37,8 @@ class AgentConfig:
                               "expected a number > 0")
         if self.path is not None:
             load_agent(self.path)
-        known = vllm_tool_parser_names()
-        if self.tool_parser is not None and known and self.tool_parser not in known:
+        known = vllm_tool_parser_names() if self.tool_parser is not None else set()
+        if known and self.tool_parser not in known:
             raise ConfigError(f"environment.agent.tool_parser={self.tool_parser!r}: not a vLLM "
                               f"tool parser (known: {', '.join(sorted(known))})")
 

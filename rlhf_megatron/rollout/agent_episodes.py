@@ -131,7 +131,6 @@ class AgentRunner(EpisodeRunner):
             s.state.error = f"{type(result).__name__}: {one_line(str(result))}"
         elif result is None:  # the configured reward scores it (controller/phases.py)
             e.scored = not generated  # nothing generated: nothing to score, reward 0
-            s.state.left_to_reward = generated
             return e
         elif isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(
                 result):
@@ -167,6 +166,6 @@ class AgentRunner(EpisodeRunner):
             "agent/replays": float(sum(st.replays for st in states)),
             "agent/http_errors": float(sum(st.http_errors for st in states) + self.endpoint_errors),
             "agent/failed_frac": sum(st.error is not None for st in states) / n,
-            "agent/reward_by_config_frac": sum(st.left_to_reward for st in states) / n,
+            "agent/reward_by_config_frac": sum(not e.scored for e in episodes) / n,
             "agent/endpoint_overhead_ms": 1000.0 * overhead / max(requests, 1),
         }

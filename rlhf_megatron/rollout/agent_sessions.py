@@ -47,8 +47,6 @@ class AgentEpisodeState(Environment):
         self.error: str | None = None
         self.replays = 0
         """Requests answered again with the turn already generated (a client's retry)."""
-        self.left_to_reward = False
-        """The agent returned None: the configured reward scores the episode."""
         self.generate_seconds = 0.0
         self.handler_seconds = 0.0
 
