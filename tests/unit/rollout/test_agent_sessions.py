@@ -177,6 +177,7 @@ def test_an_agents_sdk_agent_runs_its_react_loop_through_the_endpoint(chat):
 
 DROPPING_AGENT = '''
 import asyncio
+import contextlib
 
 import aiohttp
 
@@ -191,14 +192,20 @@ async def agent(base_url, api_key, sample):
         body = {"model": "policy", "messages": [{"role": "user", "content": sample["prompt"]}],
                 "tools": [TOOLS], "stream": True}
         headers = {"Authorization": f"Bearer {api_key}"}
+
+        async def post():
+            async with http.post(f"{base_url}/chat/completions", json=body,
+                                 headers=headers) as reply:
+                await reply.read()
+
         async with aiohttp.ClientSession() as http:
-            try:
-                async with asyncio.timeout(0.3):
-                    async with http.post(f"{base_url}/chat/completions", json=body,
-                                         headers=headers) as reply:
-                        await reply.read()
-            except TimeoutError:
-                pass
+            request = asyncio.create_task(post())
+            while not STARTED.is_set():  # the server is generating this request's turn
+                await asyncio.sleep(0.01)
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+        DROPPED.set()
     return await calculator(base_url, api_key, sample)  # retries the same first request
 '''
 
@@ -217,8 +224,16 @@ def test_64_sessions_and_a_dropped_connection_end_cleanly(chat, tmp_path):
     script = ["<python> print( 7 * 8 + 3 ) </python>", "<answer> 59 </answer>"]
     generated: list[int] = []
 
+    started, dropped = threading.Event(), threading.Event()
+
     async def scripted(e, max_tokens, stop=()):
-        await asyncio.sleep(1.0 if e.sample_index == 0 and e.turns == 0 else 0.01)
+        if e.sample_index == 0 and e.turns == 0:  # the turn outlives its dropped connection
+            started.set()
+            for _ in range(3000):
+                if dropped.is_set():
+                    break
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
         generated.append(e.sample_index)
         ids = chat.encode(script[min(e.turns, 1)]) + [chat.tokenizer.eos_token_id]
         return TurnOutput(ids, [-0.5] * len(ids), "stop")
@@ -230,7 +245,9 @@ def test_64_sessions_and_a_dropped_connection_end_cleanly(chat, tmp_path):
     cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=60), max_turns=3,
                             max_tokens_per_turn=16, max_tokens_per_episode=48)
     shm = set(os.listdir("/dev/shm"))
-    runner = AgentRunner(load_agent(spec), cfg, chat, scripted,
+    agent = load_agent(spec)
+    agent.__globals__.update(STARTED=started, DROPPED=dropped)
+    runner = AgentRunner(agent, cfg, chat, scripted,
                          SamplingSettings(temperature=1.0, max_tokens=16))
     samples = [{"prompt": "7 * 8 + 3", "answer": "59", "drop": True}] + \
         [{"prompt": "7 * 8 + 3", "answer": "59"}] * 64
