@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from rlhf_megatron.errors import CheckpointError
-
-_LORA_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.([ab])\.(\w+)$")
+from rlhf_megatron.models.lora_names import ADAPTER_NAME, adapted_hf_weight
 
 
 def is_lora_name(megatron_name: str) -> bool:
@@ -51,7 +50,7 @@ def find_adapters(sources: list[Any], table: Any) -> dict[str, Adapter]:
     checkpoint's tensors, layers unstacked); empty when the checkpoint has none."""
     pairs: dict[tuple[str, str, str], dict[str, Any]] = {}
     for source in sources:
-        match = _LORA_NAME.match(source.megatron_name)
+        match = ADAPTER_NAME.match(source.megatron_name)
         if match is None:
             if is_lora_name(source.megatron_name):
                 raise CheckpointError(f"unexpected adapter tensor {source.megatron_name!r}")
@@ -60,21 +59,14 @@ def find_adapters(sources: list[Any], table: Any) -> dict[str, Adapter]:
         pairs.setdefault((layer, linear, part), {})[matrix] = source
     adapters = {}
     for (layer, linear, part), matrices in sorted(pairs.items()):
-        base = f"decoder.layers.{layer}.{linear}.weight"
         missing = sorted({"a", "b"} - set(matrices))
         if missing:
-            raise CheckpointError(f"adapter {part!r} of {base} has no lora.{missing[0]} tensor")
-        resolved = table.resolve(base)
-        if resolved is None:
-            raise CheckpointError(f"adapted weight {base!r} has no mapping in the architecture's "
-                                  "table")
-        names = resolved.hf_names
-        if part in names:
-            hf_weight = names[part]
-        elif len(names) == 1:
-            (hf_weight,) = names.values()
-        else:
-            raise CheckpointError(f"adapter part {part!r} of {base} is none of {sorted(names)}")
+            raise CheckpointError(f"adapter {part!r} of decoder.layers.{layer}.{linear}.weight "
+                                  f"has no lora.{missing[0]} tensor")
+        try:
+            hf_weight = adapted_hf_weight(table, layer, linear, part)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         adapters[hf_weight] = Adapter(hf_weight, matrices["a"], matrices["b"])
     return adapters
 

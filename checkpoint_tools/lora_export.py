@@ -21,6 +21,7 @@ from checkpoint_tools.dcp_reader import DcpReader
 from checkpoint_tools.lora_adapters import Adapter, find_adapters, lora_scale, target_modules_regex
 from checkpoint_tools.mcore_to_hf import read_adapter, read_dcp_metadata, source_tensors
 from rlhf_megatron.errors import CheckpointError
+from rlhf_megatron.models.lora_names import peft_adapter_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -70,8 +71,8 @@ def convert_lora_to_peft(ckpt_dir: str | Path, out: str | Path, *, dtype: str | 
                             disable=not progress):
             a, b = read_adapter(reader, adapter)
             out_dtype = DTYPES[dtype] if dtype else a.dtype
-            tensors[f"base_model.model.{adapter.hf_module}.lora_A.weight"] = a.to(out_dtype)
-            tensors[f"base_model.model.{adapter.hf_module}.lora_B.weight"] = b.to(out_dtype)
+            tensors[peft_adapter_name(adapter.hf_weight, "A")] = a.to(out_dtype)
+            tensors[peft_adapter_name(adapter.hf_weight, "B")] = b.to(out_dtype)
     finally:
         reader.close()
     with atomic_output_dir(out, force=force) as tmp:

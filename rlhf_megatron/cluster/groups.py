@@ -117,7 +117,9 @@ def _rollout_workers(cfg: TrainConfig, plan: DevicePlan,
                      pools: dict[str, DevicePool]) -> WorkerGroup:
     """The rollout engines' workers, one per engine (rollout.num_engines), each seeded apart."""
     tp = cfg.rollout.engine.tensor_parallel_size
-    rollout_config = cfg.rollout.engine
+    rollout_config, lora = cfg.rollout.engine, cfg.actor.engine.lora
+    if lora is not None and lora.refit == "adapter":  # vLLM runs the policy's adapter itself
+        rollout_config = replace(rollout_config, lora_rank=lora.rank, lora_alpha=lora.alpha)
     rollout_class, extra = rollout_worker_class(cfg), ()
     if rollout_class is not RolloutWorker:
         extra = (buffer_capacity(cfg),)

@@ -74,6 +74,9 @@ def _check_lora(cfg: TrainConfig) -> None:
     for role, engine in _engines(cfg)[1:]:
         if engine.lora is not None:
             raise ConfigError(f"{role}.engine.lora: LoRA is for the actor only (actor.engine.lora)")
+    if cfg.rollout.engine.lora_rank or cfg.rollout.engine.lora_alpha:
+        raise ConfigError("rollout.engine.lora_rank / lora_alpha are set by the trainer from "
+                          "actor.engine.lora (refit: adapter), not by hand")
 
 
 def check_sections(cfg: TrainConfig, sections: list[tuple[str, Callable[[], None]]],

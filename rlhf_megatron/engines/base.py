@@ -522,15 +522,25 @@ class MegatronEngine:
         """(global Megatron name, parameter) of this rank's shard, over all chunks."""
         return self._named(lambda module: module.named_parameters())
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def named_weights(self, *, merged: bool = True) -> list[tuple[str, torch.Tensor]]:
         """`named_parameters` plus the buffers a mapping table names (a sigmoid router's expert
         bias): what an export or a refit sends. With LoRA, each adapted weight merged with its
-        adapters (base + scale * B A) and the adapters themselves left out."""
+        adapters (base + scale * B A) and the adapters themselves left out; `merged=False`: the
+        frozen base weights as they are (what an adapter refit sends first, refit/export.py)."""
         if self.config.lora is None:
             return self._named(mapped_tensors)
         from rlhf_megatron.models.lora import merged_tensors
 
+        if not merged:
+            return self._named(lambda module: [(n, t) for n, t in mapped_tensors(module)
+                                               if ".lora." not in f".{n}"])
         return self._named(lambda module: merged_tensors(module, mapped_tensors(module)))
+
+    def named_adapters(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's LoRA adapter parameters under global Megatron names
+        (`decoder.layers.<i>.<linear>.lora.<a|b>.<part>`); empty without LoRA."""
+        return self._named(lambda module: [(n, p) for n, p in module.named_parameters()
+                                           if ".lora." in f".{n}"])
 
     def _named(self, tensors: Any) -> list[tuple[str, torch.Tensor]]:
         from rlhf_megatron.models.moe_layers import expert_offset_of

@@ -70,10 +70,12 @@ class BucketWriter:
 
     def __init__(
         self, buffer: torch.Tensor, flush: Callable[[BucketLayout], None],
-        layer_bytes: dict[int, int],
+        layer_bytes: dict[int, int], capacity: int | None = None,
     ) -> None:
         self.buffer, self._flush, self._layer_bytes = buffer, flush, layer_bytes
-        self.capacity = buffer.numel()
+        # A transport reuses its largest staging buffer (an earlier refit's, say one that sent
+        # the base as well); buckets stay within this refit's capacity all the same.
+        self.capacity = buffer.numel() if capacity is None else min(capacity, buffer.numel())
         self._specs: list[TensorSpec] = []
         self._offset = 0
         self._layer: int | None = None

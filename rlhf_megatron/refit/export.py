@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhf_megatron.models.lora_names import ADAPTER_NAME, adapted_hf_weight, peft_adapter_name
 from rlhf_megatron.models.param_mapping import ModelShapes, ShardContext
 from rlhf_megatron.models.registry import ARCHITECTURES
 
@@ -80,15 +81,65 @@ def _gather_ep(shards: list[torch.Tensor], ep: int) -> list[list[torch.Tensor]]:
     return [[copies[rank] for copies in gathered] for rank in range(ep)]
 
 
+def iter_refit_tensors(engine: object, *, full: bool,
+                       timings: dict[str, float] | None = None) -> Iterator[ExportedTensor]:
+    """What one refit sends from this rank's stage: the HF tensors (merged with a LoRA actor's
+    adapters, models/lora.py), or, for a LoRA actor with `lora.refit: adapter`, its adapters
+    only (iter_adapter_tensors), after the unmerged base when `full` (the rollout engine asked
+    for it: placeholder or replaced weights)."""
+    lora = engine.config.lora
+    if lora is None or lora.refit == "merged":
+        yield from iter_hf_tensors(engine, timings)
+        return
+    if full:
+        yield from iter_hf_tensors(engine, timings, merged=False)
+    yield from iter_adapter_tensors(engine, timings)
+
+
+def refit_params(engine: object, *, full: bool) -> list[tuple[str, torch.Tensor]]:
+    """This rank's parameters that iter_refit_tensors exports, by global Megatron name: what the
+    buckets are sized by (refit/buckets.py layer_bytes_of). Unmerged, as only shapes count."""
+    lora = engine.config.lora
+    if lora is None or lora.refit == "merged":
+        return engine.named_weights(merged=False)
+    return (engine.named_weights(merged=False) if full else []) + engine.named_adapters()
+
+
+def iter_adapter_tensors(engine: object, timings: dict[str, float] | None = None
+                         ) -> Iterator[ExportedTensor]:
+    """PEFT-named full adapter matrices of this rank's stage (models/lora_names.py): each
+    A and B TP-gathered along the axis it is split on (models/lora.py LoraBranch.tp_axes), if it
+    is. Yields on the stage sender only, like iter_hf_tensors, a decoder layer's adapters
+    together and with its `layer`, so that a bucket holds whole layers' adapters."""
+    table = ARCHITECTURES.for_hf_config(engine.hf_config).mapping_table_for(engine.hf_config)
+    sender = is_stage_sender()
+    for name, param in engine.named_adapters():
+        start = time.perf_counter()
+        split = getattr(param, "tensor_model_parallel", False)
+        shards = _gather_tp(param.detach()) if split else [param.detach()]
+        if not sender:
+            continue
+        tensor = torch.cat(shards, dim=param.partition_dim) if split else shards[0]
+        mapped_at = time.perf_counter()
+        layer, linear, matrix, part = ADAPTER_NAME.match(name).groups()
+        hf_weight = adapted_hf_weight(table, layer, linear, part)
+        if timings is not None:
+            timings["gather"] = timings.get("gather", 0.0) + mapped_at - start
+            timings["map"] = timings.get("map", 0.0) + time.perf_counter() - mapped_at
+        yield ExportedTensor(peft_adapter_name(hf_weight, matrix.upper()), tensor.contiguous(),
+                             int(layer))
+
+
 def iter_hf_tensors(
-    engine: object, timings: dict[str, float] | None = None
+    engine: object, timings: dict[str, float] | None = None, *, merged: bool = True
 ) -> Iterator[ExportedTensor]:
     """(HF name, full tensor) of every exported parameter of this rank's stage.
 
     Yields on the stage sender only; the other ranks run the same loop for the collectives.
     Tensors are detached copies in the parameter dtype, on the parameter's device.
     timings: if given, seconds spent in "gather" (TP all-gather) and "map" (mapping table) are
-    added to it.
+    added to it. merged: a LoRA actor's weights with its adapters merged in (the default), or
+    its frozen base (engines/base.py named_weights).
     """
     from megatron.core import parallel_state
 
@@ -99,7 +150,7 @@ def iter_hf_tensors(
                        tp=parallel_state.get_tensor_model_parallel_world_size(), rank=0)
     sender = is_stage_sender()
     tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
-    for name, param in engine.named_weights():
+    for name, param in engine.named_weights(merged=merged):
         resolved = table.resolve(name)
         if resolved is None:
             raise KeyError(f"no mapping for Megatron parameter {name!r}")

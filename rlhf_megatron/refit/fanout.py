@@ -88,8 +88,11 @@ class RayRolloutFanout:
     def _live(self) -> list[int]:
         return [i for i in range(len(self.handles)) if i not in self.lost]
 
-    def begin_weight_update(self) -> None:
-        self._get({i: self.handles[i].begin_weight_update.remote() for i in self._live()})
+    def begin_weight_update(self) -> bool:
+        """Pause every engine; True when any of them needs the full weights (an adapter refit
+        then sends the base as well, to all of them)."""
+        return any(self._get({i: self.handles[i].begin_weight_update.remote()
+                              for i in self._live()}).values())
 
     def load_bucket(self, handle: Any) -> _PendingLoads:
         per_engine = handle.per_engine if isinstance(handle, FanoutHandle) \

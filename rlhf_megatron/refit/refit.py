@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from rlhf_megatron.refit.buckets import (
@@ -25,7 +26,7 @@ from rlhf_megatron.refit.buckets import (
     BucketWriter,
     layer_bytes_of,
 )
-from rlhf_megatron.refit.export import is_stage_sender, iter_hf_tensors
+from rlhf_megatron.refit.export import is_stage_sender, iter_refit_tensors, refit_params
 
 
 class PendingLoad(Protocol):
@@ -35,7 +36,9 @@ class PendingLoad(Protocol):
 class RolloutClient(Protocol):
     """What refit needs from a rollout engine (a Ray actor handle, or a connection to one)."""
 
-    def begin_weight_update(self) -> None: ...
+    def begin_weight_update(self) -> bool:
+        """Pause; True when the engine needs the full weights (an adapter refit's base)."""
+        ...
 
     def load_bucket(self, handle: Any) -> PendingLoad: ...
 
@@ -50,6 +53,9 @@ class RefitStats:
     max_bucket_bytes: int = 0
     seconds: float = 0.0
     version: int | None = None
+    full: bool = False
+    """A rollout engine asked for the full weights (a LoRA adapter refit then sends the base
+    too: rollout/vllm_lora.py AdapterSlot)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase on the sender: gather (TP all-gather), map (mapping table),
     transport (staging + moving the bucket), load (the rollout loading it)."""
@@ -75,12 +81,14 @@ def refit_rollout(
         in_replica_0 = parallel_state.get_expert_data_parallel_rank() == 0
     sender = is_stage_sender()
     first_stage = parallel_state.get_pipeline_model_parallel_rank() == 0
+    full = False
     if sender and first_stage:
-        rollout.begin_weight_update()
-    dist.barrier()
+        full = bool(rollout.begin_weight_update())
+    stats.full = full = _any_rank(full, engine)  # every stage's sender sends the same kind
     for stage in range(parallel_state.get_pipeline_model_parallel_world_size()):
         if in_replica_0 and parallel_state.get_pipeline_model_parallel_rank() == stage:
-            _send_stage(engine, rollout if sender else None, transport, bucket_bytes, stats)
+            _send_stage(engine, rollout if sender else None, transport, bucket_bytes, stats,
+                        full=full)
         dist.barrier()
     if sender and first_stage:
         stats.version = rollout.finish_weight_update(version)
@@ -88,20 +96,27 @@ def refit_rollout(
     return stats
 
 
+def _any_rank(flag: bool, engine: Any) -> bool:
+    """`flag` of any rank, on every rank (a collective of all ranks, like the barrier it is)."""
+    value = torch.tensor([int(flag)], device=engine.platform.device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def _send_stage(
     engine: Any, rollout: RolloutClient | None, transport: Any, bucket_bytes: int,
-    stats: RefitStats,
+    stats: RefitStats, *, full: bool,
 ) -> None:
     from megatron.core import parallel_state
 
     phases = stats.phases
-    tensors = iter_hf_tensors(engine, timings=phases)
+    tensors = iter_refit_tensors(engine, full=full, timings=phases)
     if rollout is None:
         for _ in tensors:  # non-sender ranks only take part in the TP gathers
             pass
         return
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    named = engine.named_weights()
+    named = refit_params(engine, full=full)
     layer_bytes = layer_bytes_of(named, tp, parallel_state.get_expert_model_parallel_world_size())
     largest_other = max(
         (p.numel() * p.element_size() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
@@ -131,7 +146,7 @@ def _send_stage(
         stats.bytes_sent += layout.nbytes
         stats.max_bucket_bytes = max(stats.max_bucket_bytes, layout.nbytes)
 
-    writer = BucketWriter(buffer, flush, layer_bytes)
+    writer = BucketWriter(buffer, flush, layer_bytes, capacity)
     for item in tensors:
         start, flushed = time.perf_counter(), in_flush[0]
         writer.add(item)

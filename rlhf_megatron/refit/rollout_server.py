@@ -24,8 +24,8 @@ class RolloutService:
         self.engine = engine
         self._broadcast: dict[tuple[str, int], BroadcastReceiver] = {}  # one per sender
 
-    def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
+    def begin_weight_update(self) -> bool:
+        return self.engine.begin_weight_update()
 
     def load_bucket(self, handle: Any) -> int:
         if isinstance(handle, BroadcastHandle):
@@ -116,8 +116,8 @@ class RolloutConnection:
         self._request(method, *args, **kwargs)
         return self._reply()
 
-    def begin_weight_update(self) -> None:
-        self.call("begin_weight_update")
+    def begin_weight_update(self) -> bool:
+        return bool(self.call("begin_weight_update"))
 
     def load_bucket(self, handle: Any) -> _Pending:
         self._request("load_bucket", handle)

@@ -169,6 +169,8 @@ class AsyncRolloutEngine:
         if self.platform.is_cuda and self.config.enable_sleep_mode and not self._asleep:
             self._call(self.llm.sleep(level=self.config.sleep_level))
             self._asleep = {"weights", "kv_cache"}
+            if self.config.sleep_level == 2:  # the weights are gone: the next refit sends all
+                self.adapter.base_known = False
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate what sleep() freed, all of it or the `tags` ("weights", "kv_cache")."""
@@ -278,7 +280,8 @@ class AsyncRolloutEngine:
 
     async def _stream(self, prompt: list[int], params: Any, record: SampleRecord) -> None:
         request_id = f"rlhf-{uuid.uuid4().hex}"
-        async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id):
+        async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id,
+                                           lora_request=self.adapter.request):
             completion = out.outputs[0]
             new = list(completion.token_ids)
             version = self.weight_version  # read on the loop thread: refits change it here too
@@ -363,11 +366,13 @@ class AsyncRolloutEngine:
             return sorted([*self._in_flight, *(g.key for g in self._done)])
 
     # ------------------------------------------------------------------ weights
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self) -> bool:
         """Pause at a safe point: requests in flight are frozen (KV dropped), and every token
-        already produced is recorded under the current version before this returns."""
+        already produced is recorded under the current version before this returns. True when
+        an adapter refit must bring the base weights too (rollout/vllm_lora.py)."""
         self._call(self._pause())
         self._updating = True
+        return self.adapter.needs_full()
 
     async def _pause(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=True)
@@ -394,7 +399,8 @@ class AsyncRolloutEngine:
             raise RuntimeError("load_bucket outside begin_weight_update/finish_weight_update")
         counts = self._call(self.llm.collective_rpc("rlhf_load_bucket",
                                                     args=(pickle.dumps(handle),)))
-        return int(counts[0])
+        self.adapter.loaded(tuple(counts[0]))
+        return sum(counts[0])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors held in this process (staged through shared memory)."""
@@ -419,6 +425,10 @@ class AsyncRolloutEngine:
         return self.weight_version
 
     async def _finish(self, version: int) -> None:
+        if self.adapter.enabled:
+            installed = await self.llm.collective_rpc(
+                "rlhf_install_adapter", args=(self.adapter.rank, self.adapter.alpha))
+            self.adapter.finished(installed[0])
         await self.llm.reset_prefix_cache()
         self.weight_version = version
         self._updating = False

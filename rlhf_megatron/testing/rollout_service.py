@@ -16,16 +16,20 @@ import torch
 from rlhf_megatron.testing.hf_reference import TEST_KV_CACHE_GB, VLLM_ENV
 
 
-def serve_rollout(hf_dir: str, port: int, clients: int = 1, max_model_len: int = 128) -> None:
+def serve_rollout(hf_dir: str, port: int, clients: int = 1, max_model_len: int = 128,
+                  lora: tuple[int, float] | None = None) -> None:
     """Start a VllmRolloutEngine on `hf_dir` (in this process, VLLM_ENV) and serve `clients`
-    connections on 127.0.0.1:`port` until they close (the target of a spawned process)."""
+    connections on 127.0.0.1:`port` until they close (the target of a spawned process).
+    `lora`: (rank, alpha) of the adapter refits it takes (RolloutConfig.lora_rank)."""
     os.environ.update(VLLM_ENV)
     from rlhf_megatron.refit.rollout_server import AUTHKEY, RolloutService, serve
     from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
 
+    rank, alpha = lora or (0, 0.0)
     with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
-        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=max_model_len, seed=0,
-                                                         cpu_kv_cache_gb=TEST_KV_CACHE_GB))
+        engine = VllmRolloutEngine(hf_dir, RolloutConfig(
+            max_model_len=max_model_len, seed=0, cpu_kv_cache_gb=TEST_KV_CACHE_GB,
+            lora_rank=rank, lora_alpha=alpha))
         serve(RolloutService(engine), listener, clients=clients)
 
 

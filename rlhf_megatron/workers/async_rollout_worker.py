@@ -67,8 +67,8 @@ class AsyncRolloutWorker:
         return run_episodes(self.engine, env_cfg, samples, sampling, first_prompt)
 
     # refit ----------------------------------------------------------------------
-    def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
+    def begin_weight_update(self) -> bool:
+        return self.engine.begin_weight_update()
 
     def load_bucket(self, handle: Any) -> int:
         from rlhf_megatron.refit.transports import BroadcastHandle, BroadcastReceiver

@@ -31,8 +31,8 @@ class RolloutWorker:
     def score_logprobs(self, batch: TokenBatch) -> Any:
         return self.engine.score_logprobs(batch)
 
-    def begin_weight_update(self) -> None:
-        self.service.begin_weight_update()
+    def begin_weight_update(self) -> bool:
+        return self.service.begin_weight_update()
 
     def load_bucket(self, handle: Any) -> int:
         return self.service.load_bucket(handle)
