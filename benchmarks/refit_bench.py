@@ -1,6 +1,11 @@
 """Refit throughput: a ~0.5 GB model from TP=2 Megatron shards into a vLLM-CPU engine.
 
     .venv/bin/python benchmarks/refit_bench.py [--hidden 1024] [--layers 8] [--bucket-mb 128]
+    .venv/bin/python benchmarks/refit_bench.py --lora 8    # LoRA: adapter-only vs merged refit
+
+With --lora RANK the actor carries rank-RANK adapters on every linear (actor.engine.lora) and
+vLLM runs its LoRA: the same model refits adapter-only (lora.refit: adapter) and merged, side by
+side, each reported as above, then the ratio of their seconds and bytes.
 
 Two gloo ranks hold the actor at TP=2; a third process runs vLLM-CPU behind the rollout server.
 The refit goes through the shared-memory transport. Printed, per phase (gather = TP all-gather,
@@ -24,7 +29,7 @@ import torch
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def _serve(hf_dir: str, port: int) -> None:
+def _serve(hf_dir: str, port: int, lora_rank: int) -> None:
     import os
     from multiprocessing.connection import Listener
 
@@ -33,7 +38,9 @@ def _serve(hf_dir: str, port: int) -> None:
     from rlhf_megatron.rollout import RolloutConfig, VllmRolloutEngine
 
     with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
-        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=128, seed=0))
+        engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=128, seed=0,
+                                                         lora_rank=lora_rank,
+                                                         lora_alpha=2.0 * lora_rank))
         serve(RolloutService(engine), listener, clients=2)
 
 
@@ -77,17 +84,23 @@ def _memcpy_rate(sizes: list[int], capacity: int) -> float:
     return rate
 
 
-def _job(hf_dir: str, port: int, bucket_bytes: int) -> dict:
+def _job(hf_dir: str, port: int, bucket_bytes: int, lora_rank: int) -> dict:
+    import dataclasses
+
     import torch.distributed as dist
 
-    from rlhf_megatron.engines import EngineConfig, ReferenceEngine
+    from rlhf_megatron.engines import ActorEngine, EngineConfig, ReferenceEngine
+    from rlhf_megatron.models.lora_settings import LoraSettings
     from rlhf_megatron.parallel import ParallelDims, initialize_layout
-    from rlhf_megatron.refit import SharedMemoryTransport, is_stage_sender, refit_rollout
     from rlhf_megatron.refit.rollout_server import RolloutConnection
 
     dims = ParallelDims(dist.get_world_size(), tp=2)
     initialize_layout(dims)
-    engine = ReferenceEngine(EngineConfig(), hf_dir=hf_dir, dims=dims)
+    if not lora_rank:
+        engine = ReferenceEngine(EngineConfig(), hf_dir=hf_dir, dims=dims)
+    else:  # adapter refits first: the engine then holds the base, as at a LoRA run's start
+        lora = LoraSettings(rank=lora_rank, alpha=2.0 * lora_rank, refit="adapter")
+        engine = ActorEngine(EngineConfig(lora=lora), hf_dir=hf_dir, dims=dims)
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -97,24 +110,38 @@ def _job(hf_dir: str, port: int, bucket_bytes: int) -> dict:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+    results = {"adapter" if lora_rank else "full": _two_refits(engine, rollout, bucket_bytes)}
+    if lora_rank:
+        engine.config = dataclasses.replace(
+            engine.config, lora=dataclasses.replace(engine.config.lora, refit="merged"))
+        results["merged"] = _two_refits(engine, rollout, bucket_bytes, first_version=3)
+    rollout.close()
+    return results
+
+
+def _two_refits(engine, rollout, bucket_bytes: int, first_version: int = 1) -> dict:
+    import torch.distributed as dist
+
+    from rlhf_megatron.refit import SharedMemoryTransport, is_stage_sender, refit_rollout
+    from rlhf_megatron.refit.export import refit_params
+
     transport = SharedMemoryTransport()
     sender = is_stage_sender()
     dist.barrier()
     # The first refit also maps the shared segment (page faults); training refits every step
     # with the same transport, so the second one is the steady state that is reported.
     with _PeakRss() as first_rss:
-        first = refit_rollout(engine, rollout if sender else None, transport, version=1,
-                              bucket_bytes=bucket_bytes)
+        first = refit_rollout(engine, rollout if sender else None, transport,
+                              version=first_version, bucket_bytes=bucket_bytes)
     with _PeakRss() as rss:
-        stats = refit_rollout(engine, rollout if sender else None, transport, version=2,
-                              bucket_bytes=bucket_bytes)
+        stats = refit_rollout(engine, rollout if sender else None, transport,
+                              version=first_version + 1, bucket_bytes=bucket_bytes)
     transport.close()
-    rollout.close()
     result = {"stats": stats.__dict__, "extra_rss": rss.peak - rss.base,
               "first_seconds": first.seconds, "first_extra_rss": first_rss.peak - first_rss.base}
     if sender:
         sizes = [p.numel() * p.element_size() * (2 if getattr(p, "tensor_model_parallel", False)
-                                                  else 1) for _, p in engine.named_parameters()]
+                                                  else 1) for _, p in refit_params(engine, full=False)]
         result["memcpy_gbps"] = _memcpy_rate(sizes, max(bucket_bytes, max(sizes)))
     return result
 
@@ -124,6 +151,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bucket-mb", type=int, default=128)
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="LoRA adapters of this rank: adapter-only against merged refits")
     args = parser.parse_args()
 
     from rlhf_megatron.testing.multirank import find_free_port, run_on_ranks
@@ -136,17 +165,29 @@ def main() -> None:
             num_layers=args.layers,
         ))
         port = find_free_port()
-        server = mp.get_context("spawn").Process(target=_serve, args=(hf_dir, port))
+        server = mp.get_context("spawn").Process(target=_serve, args=(hf_dir, port, args.lora))
         server.start()
         try:
-            per_rank = run_on_ranks(_job, 2, (hf_dir, port, args.bucket_mb << 20), timeout_s=1800)
+            per_rank = run_on_ranks(_job, 2, (hf_dir, port, args.bucket_mb << 20, args.lora),
+                                    timeout_s=1800)
         finally:
             server.join(timeout=120)
+    for kind in per_rank[0]:
+        _report(args, kind, [rank[kind] for rank in per_rank])
+    if args.lora:
+        adapter, merged = (next(r[kind]["stats"] for r in per_rank if "memcpy_gbps" in r[kind])
+                           for kind in ("adapter", "merged"))
+        print(f"adapter-only / merged refit: {adapter['seconds'] / merged['seconds']:.3f} x the "
+              f"seconds, {adapter['bytes_sent'] / merged['bytes_sent']:.4f} x the bytes")
+
+
+def _report(args: argparse.Namespace, kind: str, per_rank: list[dict]) -> None:
     sender = next(r for r in per_rank if "memcpy_gbps" in r)
     stats = sender["stats"]
     gb = stats["bytes_sent"] / 1e9
-    print(f"model: Llama hidden={args.hidden} layers={args.layers}, fp32, {gb:.3f} GB exported; "
-          f"TP=2 -> vLLM-CPU, shared memory, {stats['buckets']} buckets of <= {args.bucket_mb} MB")
+    print(f"[{kind} refit] model: Llama hidden={args.hidden} layers={args.layers}, fp32, "
+          f"{gb:.4f} GB sent; TP=2 -> vLLM-CPU, shared memory, {stats['buckets']} buckets of "
+          f"<= {args.bucket_mb} MB")
     for phase in ("gather", "map", "transport", "load"):
         seconds = stats["phases"].get(phase, 0.0)
         print(f"  {phase:>9}: {seconds:7.3f} s  {gb / seconds if seconds else float('inf'):7.2f} GB/s")

@@ -68,6 +68,28 @@ def test_validate_rejects_non_finite_and_zero_layouts(override, needle):
         validate_config(cfg, check_paths=False)
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["actor.engine.lora.rank=0"], "lora.rank=0 must be >= 1"),
+    (["actor.engine.lora.target_modules=[linear_qkv,q_proj]"],
+     "expected a non-empty subset of ['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2']"),
+    (["algorithm.name=ppo", "critic.engine.lora.rank=8"],
+     "critic.engine.lora: LoRA is for the actor only"),
+    (["actor.engine.lora.refit=adaptor"], "lora.refit='adaptor': expected one of ['merged', "
+                                          "'adapter']"),
+    (["actor.engine.lora.rank=1024", "actor.engine.lora.refit=adapter"],
+     "vLLM's LoRA takes ranks up to 512; use lora.refit: merged"),
+    (["rollout.engine.lora_rank=8"], "rollout.engine.lora_rank / lora_alpha are set by the "
+                                     "trainer from actor.engine.lora"),
+])
+def test_lora_settings_are_refused_in_one_line(overrides, needle):
+    """Issue 29's bad LoRA input, and the adapter refit's own (a rank vLLM cannot hold, the
+    rollout's adapter settings given by hand), before any worker starts."""
+    cfg = load_config(QUICKSTART, overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, check_paths=False)
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
 def test_run_dir_that_is_a_file(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -1,6 +1,7 @@
 """A refit in which rollout engines die (refit/fanout.RayRolloutFanout, issue 26 item 6): the
 engines left finish it, the dead ones are named in `lost`, a bug in an engine still fails the
-refit, and so does the death of every engine. Real Ray actors on the shared head answer the refit
+refit, and so does the death of every engine. An engine that needs the full weights (a LoRA
+adapter refit then sends the base too) is heard over the others, and over a dead one. Real Ray actors on the shared head answer the refit
 protocol; the death of vLLM's process is the WorkerFailure the async rollout worker raises for it.
 """
 
@@ -22,8 +23,8 @@ class _Engine:
     'vllm' raises WorkerFailure (vLLM's engine process gone), 'exit' ends the actor's process,
     'bug' raises ValueError."""
 
-    def __init__(self, fail_at: str = "", how: str = "") -> None:
-        self.fail_at, self.how = fail_at, how
+    def __init__(self, fail_at: str = "", how: str = "", needs_full: bool = False) -> None:
+        self.fail_at, self.how, self.needs_full = fail_at, how, needs_full
         self.buckets: list[str] = []
         self.version = 0
 
@@ -37,8 +38,9 @@ class _Engine:
         raise WorkerFailure("rollout engine died: vLLM's engine process is gone "
                             "(EngineDeadError)")
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self) -> bool:
         self._maybe_fail("begin")
+        return self.needs_full
 
     def load_bucket(self, handle: str) -> int:
         self._maybe_fail(f"load {handle}")
@@ -110,3 +112,12 @@ def test_the_death_of_every_engine_fails_the_refit(cluster) -> None:
     with pytest.raises(WorkerFailure, match="every rollout engine died during the refit: "
                                             ".*EngineDeadError"):
         _refit(fanout, 1)
+
+
+def test_one_engine_that_needs_the_full_weights_is_enough(cluster) -> None:
+    """begin_weight_update is True when any live engine asks for the base (rollout/vllm_lora.py
+    AdapterSlot: a replacement holding placeholder weights, say), False when none does."""
+    assert RayRolloutFanout([cluster.remote(), cluster.remote()]).begin_weight_update() is False
+    fanout = RayRolloutFanout([cluster.remote("begin", "vllm", needs_full=True), cluster.remote(),
+                               cluster.remote(needs_full=True)])
+    assert fanout.begin_weight_update() is True and fanout.lost == {0}

@@ -3,7 +3,8 @@ continues on the new weights (partial rollout), and every token carries the weig
 produced it; the behaviour log-probs of each token equal, within 1e-4 in fp32, what HF gives with
 THAT version's weights. Then, on the same engine, multi-turn episodes (issue 15): one request per
 turn, ids kept, log-probs = HF within 1e-4, a 2 s tool call holding no other episode
-(testing.episodes.async_episode_checks).
+(testing.episodes.async_episode_checks); agents over the OpenAI-compatible endpoint; and LoRA
+adapter refits, installed, replaced in place and removed (testing.lora_checks).
 
 One engine in one spawned process serves every check (starting AsyncLLM costs ~10-20 s).
 """
@@ -23,6 +24,7 @@ from rlhf_megatron.testing.hf_reference import (
     hf_continuation_logprobs,
     layer_buckets,
 )
+from rlhf_megatron.testing.lora_checks import assert_async_adapter
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5]]
 MAX_TOKENS = 160
@@ -34,11 +36,15 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
 
     from rlhf_megatron.rollout import RolloutConfig, SamplingSettings
     from rlhf_megatron.rollout.async_engine import AsyncRolloutEngine
+    from rlhf_megatron.testing import lora_checks
     from rlhf_megatron.testing.agent_checks import agent_endpoint_checks
     from rlhf_megatron.testing.episodes import async_episode_checks
 
-    engine = AsyncRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0,
-                                                       cpu_kv_cache_gb=TEST_KV_CACHE_GB), capacity=8)
+    # With vLLM's LoRA on (an adapter refit's engine): the checks before the adapter ones run
+    # with no adapter installed, as a merged refit's engine does.
+    engine = AsyncRolloutEngine(hf_dir, RolloutConfig(
+        max_model_len=256, seed=0, cpu_kv_cache_gb=TEST_KV_CACHE_GB, lora_rank=lora_checks.RANK,
+        lora_alpha=lora_checks.ALPHA), capacity=8)
     out: dict = {}
     try:
         sampling = SamplingSettings(n=2, temperature=1.0, max_tokens=MAX_TOKENS)
@@ -65,6 +71,7 @@ def _partial_rollout_job(hf_dir: str, env_spec: str) -> dict:
         out["generated_now"] = [(len(s.tokens), s.versions) for s in now[0].samples]
         out["episodes"] = async_episode_checks(engine, hf_dir, env_spec, new_state)
         out["agents"] = agent_endpoint_checks(engine, hf_dir, str(Path(hf_dir).parent), new_state)
+        out["lora"] = lora_checks.async_adapter_checks(engine, hf_dir, state)
     finally:
         engine.shutdown()
     models = {}
@@ -110,3 +117,4 @@ def test_partial_rollout_spans_refit_with_per_token_versions(tmp_path):
     assert all(1 <= n <= 8 and versions == [1] * n for n, versions in out["generated_now"]), out
     assert_async_episodes(out["episodes"])
     assert_agent_endpoint(out["agents"])
+    assert_async_adapter(out["lora"])
