@@ -3,6 +3,10 @@ compare their next-token distributions: log-probs (tolerance scaled to the dtype
 the logit magnitude), top-1 agreement and KL. The max |logit difference| is reported too, but not
 judged: it grows with depth, sequence length and logit scale even for a correct conversion.
 
+A LoRA actor's checkpoint (actor.engine.lora) is compared as the trainer runs it: its base (the
+one it names, or its own) with the adapters on it, against HF (`--hf`, the base in HF format) with
+the same adapters loaded by `peft` (exported as `lora-to-peft` writes them).
+
 At TP=PP=1 it runs in this process; otherwise it spawns tp*pp local gloo ranks (CPU) that load
 the dist-checkpoint at that layout, run the forward-only pipeline schedule and compare on the last
 stage.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,11 +200,38 @@ def megatron_logits_on_this_rank(ckpt_dir: str, tp: int, pp: int, tokens: torch.
 
     metadata = ConvertedMetadata.read(ckpt_dir)
     with parallel_layout(ParallelDims(dist.get_world_size(), tp=tp, pp=pp), seed=seed):
-        chunks = build_model_chunks(_megatron_args(metadata, tp, pp, compute_dtype))
-        load_chunk_weights(chunks, ckpt_dir)  # model keys only: a training checkpoint works too
+        args = _megatron_args(metadata, tp, pp, compute_dtype)
+        chunks = build_model_chunks(args)
+        if metadata.lora is None:
+            load_chunk_weights(chunks, ckpt_dir)  # model keys only: a training checkpoint too
+        else:
+            _load_lora_model(chunks, ckpt_dir, metadata, args)
         logits = forward_logits(chunks, tokens, vocab_size=metadata.vocab_size)
         del chunks
     return None if logits is None else logits.float()
+
+
+def _load_lora_model(chunks: list[Any], ckpt_dir: str, metadata: ConvertedMetadata,
+                     args: Any) -> None:
+    """A LoRA actor's checkpoint as its engine loads it (engines/base.py): the base from the
+    directory the checkpoint names (HF or a dist-checkpoint; the checkpoint itself if it holds
+    the base), the adapters on it with the recorded settings, then their stored values."""
+    from rlhf_megatron.engines.checkpoint import load_chunk_weights
+    from rlhf_megatron.models.checkpoint_meta import base_weights_dir, is_megatron_checkpoint
+    from rlhf_megatron.models.hf_load import load_hf_into_model
+    from rlhf_megatron.models.lora import apply_lora
+    from rlhf_megatron.models.lora_settings import LoraSettings
+
+    base = base_weights_dir(ckpt_dir)
+    if is_megatron_checkpoint(base):
+        load_chunk_weights(chunks, base)
+    else:
+        load_hf_into_model(chunks, base, args)
+    lora = metadata.lora
+    apply_lora(chunks, LoraSettings(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
+                                    dropout=float(lora["dropout"]),
+                                    target_modules=tuple(lora["target_modules"])), seed=0)
+    load_chunk_weights(chunks, ckpt_dir, adapters_only=True)
 
 
 @dataclass(frozen=True)
@@ -213,13 +245,19 @@ class HfReference:
 
 
 def hf_reference(hf_dir: str | Path, tokens: torch.Tensor,
-                 dtypes: tuple[str, ...] = ("fp32",)) -> HfReference:
-    """Run HF (fp32, eager attention) on `tokens` and probe its noise for each of `dtypes`."""
+                 dtypes: tuple[str, ...] = ("fp32",),
+                 adapter_dir: str | Path | None = None) -> HfReference:
+    """Run HF (fp32, eager attention) on `tokens` and probe its noise for each of `dtypes`;
+    with `adapter_dir`, a PEFT adapter directory loaded onto it by `peft` (unmerged)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(hf_dir), dtype=torch.float32, attn_implementation="eager"
     )
+    if adapter_dir is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     with torch.no_grad():
         logits = model(tokens).logits
     noise = {}
@@ -244,17 +282,18 @@ def judge(reference: HfReference, logits: dict[str, torch.Tensor]) -> Comparison
 
 def compare_on_this_rank(
     hf_dir: str, ckpt_dir: str, tp: int, pp: int, batch: int, seq_len: int, seed: int,
-    compute_dtype: str = "fp32",
+    compute_dtype: str = "fp32", adapter_dir: str | None = None,
 ) -> Comparison | None:
     """HF against Megatron on the last pipeline stage (default tolerances); None on other
-    stages. Megatron runs in fp32, and also in `compute_dtype` when that is not fp32."""
+    stages. Megatron runs in fp32, and also in `compute_dtype` when that is not fp32.
+    `adapter_dir`: a LoRA checkpoint's adapters exported for peft (HF runs with them)."""
     metadata = ConvertedMetadata.read(ckpt_dir)
     tokens = verify_tokens(metadata.vocab_size, batch, seq_len, seed)
     logits = {dtype: megatron_logits_on_this_rank(ckpt_dir, tp, pp, tokens, dtype, seed)
               for dtype in dict.fromkeys(["fp32", compute_dtype])}
     if logits["fp32"] is None:
         return None
-    return judge(hf_reference(hf_dir, tokens, tuple(logits)), logits)
+    return judge(hf_reference(hf_dir, tokens, tuple(logits), adapter_dir), logits)
 
 
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
@@ -275,12 +314,6 @@ def compare(
         raise ConfigError(f"compute dtype {compute_dtype!r}: expected one of {COMPUTE_DTYPES}")
     hf_dir, ckpt_dir = Path(hf_dir), Path(ckpt_dir)
     metadata = ConvertedMetadata.read(ckpt_dir)
-    if metadata.lora is not None:  # a plain GPT model would load the base and drop the adapters
-        raise CheckpointError(
-            f"{ckpt_dir} holds LoRA adapters"
-            + (f" for the base {metadata.base['path']}" if metadata.adapters_only else "")
-            + ": verify compares full models; write the merged HF model with `rlhf-convert "
-            f"mcore-to-hf --ckpt {ckpt_dir} --out DIR --merge-lora`")
     hf_config = load_hf_config(hf_dir)
     hf_arch = list(getattr(hf_config, "architectures", None) or [])
     if hf_arch != [metadata.architecture]:
@@ -289,14 +322,24 @@ def compare(
         )
     _megatron_args(metadata, tp, pp, compute_dtype)  # layout errors before any rank starts
     seq_len = min(seq_len, hf_config.max_position_embeddings)
-    call = (str(hf_dir), str(ckpt_dir), tp, pp, batch, seq_len, seed, compute_dtype)
-    if tp * pp == 1:
-        with process_group_of_one():
-            results = [compare_on_this_rank(*call)]
-    else:
-        from rlhf_megatron.testing.multirank import run_on_ranks
+    with tempfile.TemporaryDirectory(prefix="rlhf-verify-") as tmp:
+        # A LoRA actor's checkpoint (base + adapters) against HF + peft with its adapters,
+        # exported as `lora-to-peft` writes them: `hf_dir` is the base model in HF format.
+        adapter_dir = None
+        if metadata.lora is not None:
+            from checkpoint_tools.lora_export import convert_lora_to_peft
 
-        results = run_on_ranks(compare_on_this_rank, tp * pp, call, timeout_s=3600)
+            adapter_dir = str(Path(tmp) / "adapter")
+            convert_lora_to_peft(ckpt_dir, adapter_dir, dtype="fp32", progress=False)
+        call = (str(hf_dir), str(ckpt_dir), tp, pp, batch, seq_len, seed, compute_dtype,
+                adapter_dir)
+        if tp * pp == 1:
+            with process_group_of_one():
+                results = [compare_on_this_rank(*call)]
+        else:
+            from rlhf_megatron.testing.multirank import run_on_ranks
+
+            results = run_on_ranks(compare_on_this_rank, tp * pp, call, timeout_s=3600)
     result = next(r for r in results if r is not None)
     return result if tolerance is None else dataclasses.replace(result,
                                                                 logprob_tolerance=tolerance)

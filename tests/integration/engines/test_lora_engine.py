@@ -16,7 +16,9 @@
   resume on another base is refused in one line;
 - each checkpoint exports with `rlhf-convert lora-to-peft` to a PEFT directory that peft loads
   onto the HF base, and with `mcore-to-hf --merge-lora` to a merged HF model: both give the
-  actor's log-probs within 1e-4 (fp32); the plain `mcore-to-hf` refuses it in one line.
+  actor's log-probs within 1e-4 (fp32); the plain `mcore-to-hf` refuses it in one line;
+  `rlhf-convert verify` of the checkpoint against its HF base (with peft) passes, against
+  another base fails.
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def test_lora_actor_reference_updates_and_merged_weights(tmp_path, capsys):
     assert error.count("\n") == 1 and "--merge-lora" in error, error
     assert not (tmp_path / "plain").exists()
     # inspect reports the adapters (counted from the shapes, not the stored tensors) and the
-    # base; verify, which would load the base into a plain model and drop them, refuses.
+    # base; verify compares the checkpoint (its base + adapters) with HF + peft: it passes on
+    # the base it was trained on and fails on another.
     ckpt = str(tmp_path / "ckpt" / LAYOUTS[0].name)
     config = load_hf_config(hf_dir)
     adapters = lora_stage_params(ModelShape.from_hf(config), LoraSettings(rank=4, alpha=8.0),
@@ -224,7 +227,8 @@ def test_lora_actor_reference_updates_and_merged_weights(tmp_path, capsys):
     assert "LoRA: rank 4, alpha 8 (scale 2), dropout 0, on " in report, report
     assert f"base (not stored): {hf_dir} (sha256:" in report, report
     assert "; present, fingerprint matches)" in report, report
-    assert main(["verify", "--hf", hf_dir, "--ckpt", ckpt]) == 2
-    error = capsys.readouterr().err
-    assert error.count("\n") == 1 and f"adapters for the base {hf_dir}" in error, error
-    assert "--merge-lora" in error, error
+    assert main(["verify", "--hf", hf_dir, "--ckpt", ckpt]) == 0
+    report = capsys.readouterr().out
+    assert report.endswith(": OK\n") and report.count("\n") == 1, report
+    assert main(["verify", "--hf", other, "--ckpt", ckpt]) == 1
+    assert ": MISMATCH" in capsys.readouterr().out
