@@ -135,20 +135,23 @@ class StreamSource:
         metrics.update(self.rollout.metrics())
         batch = groups_to_batch(groups)
         metrics.update(_batch_metrics(batch, groups))
+        episodes = None
         if run.cfg.environment.enabled:  # each episode's reward came back with it
-            _, turn_rewards, scored = episode_scores(groups, batch.input_ids.shape[1])
-            batch = batch.with_fields(episode_rewards=turn_rewards, episode_scored=scored)
+            episodes = episode_scores(groups, batch.input_ids.shape[1])
+            batch = batch.with_fields(episode_rewards=episodes[1], episode_scored=episodes[2])
             metrics.update(group_metrics(groups))
-        future = phases.done(scores) if scores is not None else self._score(groups, batch)
+        future = phases.done(scores) if scores is not None else self._score(groups, batch,
+                                                                            episodes)
         return StepRollout(batch, future, metrics, keys=[g.key for g in groups],
                            dropped=dropped)
 
-    def _score(self, groups: list[RolloutGroup], batch: Any) -> Any:
+    def _score(self, groups: list[RolloutGroup], batch: Any, episodes: Any = None) -> Any:
         """The groups' (bs,) sequence rewards as a Future: an episode's came back with it, a
-        single-turn response is scored by the rewards."""
+        single-turn response is scored by the rewards. `episodes`: the groups' episode_scores,
+        when the caller has them."""
         rows = [self.stream.item(g.key)[0] for g in groups]
         if self.run.cfg.environment.enabled:  # an agent may leave it to the configured reward
-            scores, _, scored = episode_scores(groups, batch.input_ids.shape[1])
+            scores, _, scored = episodes or episode_scores(groups, batch.input_ids.shape[1])
             return phases.score_episodes(self.run, batch.with_fields(episode_scored=scored),
                                          rows, scores)
         return phases.score_async(self.run, batch, rows)
