@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.rollout import SamplingSettings
 from rlhf_megatron.testing.hf_reference import hf_continuation_logprobs, layer_buckets
 
 PROMPT = [5, 17, 33, 40, 12, 9]
@@ -48,8 +49,6 @@ def _adapter_tensors(model: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _sampled(engine: Any) -> tuple[list[int], torch.Tensor, list[int]]:
-    from rlhf_megatron.rollout import SamplingSettings
-
     group = engine.generate_groups([PROMPT], SamplingSettings(n=1, max_tokens=12), seed=4)[0]
     sample = group.samples[0]
     return sample.tokens, torch.tensor(sample.logprobs), sample.versions
