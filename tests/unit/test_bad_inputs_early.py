@@ -11,7 +11,7 @@ import pytest
 from rlhf_megatron.cli import main
 from rlhf_megatron.config import load_config, validate_config
 from rlhf_megatron.data.prompts import PromptDataset, PromptRow, tokenize_prompts
-from rlhf_megatron.errors import ConfigError
+from rlhf_megatron.errors import ConfigError, RlhfMegatronError
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart_cpu.yaml"
@@ -180,8 +180,11 @@ def test_an_adapter_only_checkpoint_on_another_base_is_refused_before_ray(tmp_pa
     lora = ["actor.engine.lora.rank=8", "trainer.total_steps=4"]
     _resume_state(load_config(QUICKSTART, [f"model.path={base}", *lora]), store, path)
     with pytest.raises(CheckpointError, match=rf"actor holds LoRA adapters trained on the base "
-                                              rf"{base} \(sha256:.*but this run's base {other}"):
+                                              rf"{base} \(sha256:.*but this run's base {other}"
+                       ) as mismatch:
         _resume_state(load_config(QUICKSTART, [f"model.path={other}", *lora]), store, path)
+    # One line; the CLI prints it as "rlhf-megatron: error: ..." and exits 2 (the error's class).
+    assert "\n" not in str(mismatch.value) and isinstance(mismatch.value, RlhfMegatronError)
     actor = path / "actor"
     with pytest.raises(ConfigError, match=rf"model.path={actor} holds LoRA adapters only: a run "
                                           "from it needs actor.engine.lora set"):
@@ -190,3 +193,36 @@ def test_an_adapter_only_checkpoint_on_another_base_is_refused_before_ray(tmp_pa
     with pytest.raises(CheckpointError, match=rf"trained on the base {base}, and {base} does "
                                               "not exist"):
         _check_paths(load_config(QUICKSTART, [f"model.path={actor}", *lora]))
+
+
+
+@pytest.fixture(scope="module")
+def quickstart_assets(tmp_path_factory) -> Path:
+    """The demo's assets (tiny Llama, tokenizer, prompts), for a dry run that finds them all."""
+    from rlhf_megatron.quickstart import prepare
+
+    return prepare(tmp_path_factory.mktemp("quickstart_assets"))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["actor.engine.lora.rank=0"], "lora.rank=0 must be >= 1"),
+    (["actor.engine.lora.target_modules=[linear_qkv,q_proj]"], "q_proj"),
+    (["algorithm.name=ppo", "critic.engine.lora.rank=8"], "LoRA is for the actor only"),
+])
+def test_lora_bad_input_exits_2_in_one_line_through_the_cli(capsys, tmp_path, quickstart_assets,
+                                                            overrides, needle):
+    """Issue 29's bad LoRA settings as a user meets them: `train` exits 2 with one line on stderr
+    and nothing on stdout (--dry-run: the same validation runs first in a real run)."""
+    assets = quickstart_assets
+    args = ["train", "--config", str(QUICKSTART), "--dry-run", f"model.path={assets / 'model'}",
+            f"data.train_files=[{assets / 'train.jsonl'}]",
+            f"data.val_files=[{assets / 'val.jsonl'}]", f"trainer.run_dir={tmp_path / 'run'}",
+            "actor.engine.lora.rank=8"]
+    assert main(args) == 0, capsys.readouterr().err  # the same run with good LoRA settings
+    capsys.readouterr()
+    code = main([*args, *overrides])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlhf-megatron: error:") \
+        and needle in lines[0], captured.err
