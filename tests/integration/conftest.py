@@ -55,7 +55,7 @@ SYSTEM = {  # whole-system runs: SLURM, preemption and kill -9 of a real run
 SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many layouts
     "test_async_e2e.py": "one_step_off and async learning runs (~160 s)",
     "test_controller_e2e.py": "GRPO, split-pool and PPO runs (~150 s)",
-    "test_controller_learning.py": "40 GRPO steps of the demo (~60-100 s)",
+    "test_controller_learning.py": "40 GRPO steps of the demo, and 40 with LoRA (~90-130 s)",
     "test_episodes_e2e.py": "the tools SFT warm start, then its GRPO (~120 s)",
     "test_episodes_async_e2e.py": "the tools GRPO in async, from the same warm start (~70 s)",
     "test_agent_e2e.py": "the tools GRPO driven by an openai-SDK agent, same warm start (~120 s)",
@@ -112,7 +112,7 @@ FILE_SECONDS = {
     "test_slurm_launch.py": 78, "test_context_parallel.py": 73, "test_moe_refit.py": 71,
     "test_moe_grpo_e2e.py": 70, "test_resume_other_layout.py": 68,
     "test_sampled_distribution.py": 59, "test_layout_parity.py": 56, "test_async_rollout.py": 80,
-    "test_controller_learning.py": 51, "test_multirank_harness.py": 50, "test_engine_state.py": 50,
+    "test_controller_learning.py": 85, "test_multirank_harness.py": 50, "test_engine_state.py": 50,
     "test_verify_bf16_checkpoint.py": 47, "test_train_from_checkpoint.py": 40,
     "test_rope_scaling_parity.py": 37, "test_critic_reward.py": 33, "test_lora_engine.py": 28,
     "test_cpu_shims.py": 27, "test_chunked_logprobs.py": 24, "test_actor_loss_terms.py": 21,

@@ -34,6 +34,7 @@ BIG_MODELS = {
 # the folders under outputs/ that the CPU configs read, and the `prepare` that writes each
 ASSETS = {
     "quickstart_assets": quickstart.prepare,
+    "quickstart_lora_assets": lambda out: quickstart.prepare(out, init_std=0.125),
     "quickstart_long_assets": quickstart_long.prepare,
     "offline_assets": offline_quickstart.prepare,
     "quickstart_tools_assets": tools_quickstart.prepare,
