@@ -97,9 +97,10 @@ MOE_PARITY = Cases(
     (Layout(), Layout(ep=2), Layout(tp=2), Layout(pp=2), Layout(pp=2, ep=2), Layout(tp=2, ep=2)),
     ranks=4, tp1_only=("GptOssForCausalLM",),
 )
-# LoRA adapters against HF + peft on 2 ranks: DP2, TP2 and PP2, on a GQA model whose query groups
-# hold 3 heads (test_lora_parity).
+# LoRA adapters on 2 ranks: DP2, TP2 and PP2, on a GQA model whose query groups hold 3 heads
+# (test_lora_engine); against HF + peft with PP2 x VPP2 too (test_lora_parity).
 LORA = Cases(("LlamaForCausalLM",), (Layout(), Layout(tp=2), Layout(pp=2)), ranks=2)
+LORA_VPP = Cases(LORA.architectures, (*LORA.layouts, Layout(pp=2, vpp=2)), ranks=2)
 LORA_SHAPE = {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,
               "hidden_size": 192, "intermediate_size": 256}
 """The tiny model of the LoRA cases (write_tiny_hf_checkpoint overrides): 3 heads a group."""

@@ -1,5 +1,6 @@
 """LoRA adapters on the Megatron model (models/lora.py) against HF transformers + peft with the
-same adapter weights, in fp32, at DP2, TP2 and PP2 (one 2-rank gloo job walks the layouts).
+same adapter weights, in fp32, at DP2, TP2, PP2 and PP2 x VPP2 (interleaved 1F1B; one 2-rank gloo
+job walks the layouts).
 
 The model has GQA with 3 query heads per group, so the fused linear_qkv's per-group layout of the
 q, k and v adapters matters; every adapter's B is random (not PEFT's zero init), so each one moves
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from rlhf_megatron.testing.batches import next_token_nll, next_token_pass, random_token_rows
-from rlhf_megatron.testing.layouts import LORA, LORA_SHAPE
+from rlhf_megatron.testing.layouts import LORA_SHAPE, LORA_VPP
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -101,7 +102,7 @@ def _build(hf_dir: str, layout, lora: bool):
 
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
     spec = ARCHITECTURES.for_hf_config(hf_config)
-    args = hf_to_megatron_args(hf_config, spec, layout.dims(LORA.ranks))
+    args = hf_to_megatron_args(hf_config, spec, layout.dims(LORA_VPP.ranks))
     chunks = build_model_chunks(args)
     with HFCheckpoint(hf_dir) as checkpoint:
         load_hf_weights(chunks, checkpoint, spec.mapping_table_for(hf_config),
@@ -125,7 +126,7 @@ def _check_layout(hf_dir: str, layout, reference: dict) -> dict:
     from rlhf_megatron.models.megatron_layout import global_layer_name, layer_offset_of
     from rlhf_megatron.parallel import destroy_layout, initialize_layout
 
-    initialize_layout(layout.dims(LORA.ranks), seed=11)
+    initialize_layout(layout.dims(LORA_VPP.ranks), seed=11)
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), \
         parallel_state.get_tensor_model_parallel_rank()
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), \
@@ -184,19 +185,19 @@ def _check_layout(hf_dir: str, layout, reference: dict) -> dict:
 
 def _run_all(hf_dir: str, reference_path: str) -> dict:
     reference = torch.load(reference_path)
-    return {layout.name: _check_layout(hf_dir, layout, reference) for layout in LORA.layouts}
+    return {layout.name: _check_layout(hf_dir, layout, reference) for layout in LORA_VPP.layouts}
 
 
 @pytest.mark.multirank
 def test_lora_matches_peft_at_every_layout(tmp_path):
-    (architecture,) = LORA.architectures
+    (architecture,) = LORA_VPP.architectures
     hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", architecture, **LORA_SHAPE))
     reference = _reference(hf_dir)
     torch.save(reference, tmp_path / "reference.pt")
-    per_rank = run_on_ranks(_run_all, LORA.ranks, (hf_dir, str(tmp_path / "reference.pt")),
+    per_rank = run_on_ranks(_run_all, LORA_VPP.ranks, (hf_dir, str(tmp_path / "reference.pt")),
                             timeout_s=600)
-    drawn_tp1 = per_rank[0][LORA.layouts[0].name]["drawn"]
-    for layout in LORA.layouts:
+    drawn_tp1 = per_rank[0][LORA_VPP.layouts[0].name]["drawn"]
+    for layout in LORA_VPP.layouts:
         results = [rank[layout.name] for rank in per_rank]
         logits = [r["logits"] for r in results if r["logits"] is not None]
         assert logits and max(logits) < LOGIT_TOLERANCE, (layout, logits)
