@@ -33,6 +33,9 @@ CHECKS = (
     CheckSpec("checkpoint_resume", "training:check_checkpoint_resume", False, 150, 120,
               "save, fresh engine, load, next update equals the continued one (defects C, D; "
               "CUDA: distributed optimizer, fully reshardable)"),
+    CheckSpec("lora_update", "lora:check_lora_update", False, 120, 90,
+              "LoRA rank 8 (CUDA: bf16 base, distributed optimizer over the adapters only): "
+              "optimizer params = adapter params, base bit-unchanged, adapters off = the base"),
     CheckSpec("parity_fp32", "parity:check_parity_fp32", False, 120, 90,
               "fp32 actor log-probs and entropy vs HF transformers (TF32 off), +- packing"),
     CheckSpec("parity_bf16", "parity:check_parity_bf16", True, 120, 90,

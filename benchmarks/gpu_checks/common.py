@@ -154,6 +154,19 @@ def build_actor(hf_dir: Path, *, dtype: str = "fp32", micro_batch_size: int = 2,
     return ActorEngine(config, hf_dir=hf_dir, dims=dims)
 
 
+def build_lora_actor(hf_dir: Path, *, rank: int, alpha: float, dtype: str = "fp32",
+                     micro_batch_size: int = 2, **optimizer: Any) -> Any:
+    """build_actor's engine with LoRA adapters of `rank` on every attention and MLP linear."""
+    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
+    from rlhf_megatron.models.lora_settings import LoraSettings
+
+    dims = init_single_rank()
+    config = EngineConfig(micro_batch_size=micro_batch_size, dtype=dtype,
+                          optimizer=OptimizerSettings(**optimizer),
+                          lora=LoraSettings(rank=rank, alpha=alpha))
+    return ActorEngine(config, hf_dir=hf_dir, dims=dims)
+
+
 def attention_backend_of(engine: Any) -> str:
     """The core attention the engine's model runs: 'te', 'sdpa' or 'unfused' (models/builder)."""
     from rlhf_megatron.engines.base import unwrap

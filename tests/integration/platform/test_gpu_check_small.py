@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CPU_CHECKS = {"environment", "update", "offload", "checkpoint_resume", "parity_fp32", "refit_hf"}
+CPU_CHECKS = {"environment", "update", "offload", "checkpoint_resume", "lora_update", "parity_fp32",
+              "refit_hf"}
 CUDA_CHECKS = {"parity_bf16", "attention", "throughput_1b", "cuda_ipc", "context_parallel",
                "chunked_logits"}
 
@@ -56,6 +57,8 @@ def test_small_mode_runs_every_cpu_check_and_skips_cuda_ones(tmp_path):
     assert checks["offload"]["metrics"]["freed_ratio"] >= 0.5
     assert checks["checkpoint_resume"]["metrics"]["bitwise"] is True
     assert checks["refit_hf"]["metrics"]["transport"] == "SharedMemoryTransport"
+    lora = checks["lora_update"]["metrics"]
+    assert lora["optimizer_params"] == lora["adapter_params"] > 0, lora
 
 
 def test_failing_and_hanging_checks_are_recorded_and_fail_the_run(tmp_path):
