@@ -11,9 +11,26 @@ from pathlib import Path
 from rlhf_megatron.cluster.lifecycle import SEGMENT_PREFIX, segment_pid
 
 
+def shm_files(prefix: str = "") -> set[str]:
+    """Names of the shared-memory files now in /dev/shm that start with `prefix`."""
+    return {p.name for p in Path("/dev/shm").glob(f"{prefix}*")}
+
+
 def refit_segments() -> set[str]:
     """Names of the refit transports' shared-memory files now in /dev/shm (any run's)."""
-    return {p.name for p in Path("/dev/shm").glob(f"{SEGMENT_PREFIX}*")}
+    return shm_files(SEGMENT_PREFIX)
+
+
+def thread_names() -> list[str]:
+    """The name (`comm`) of each thread of this process: gloo's are `pt_gloo*` / `gloo_*`."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
+    return names
 
 
 def leaked_refit_segments(before: set[str], grace_s: float = 60.0) -> set[str]:

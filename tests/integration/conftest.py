@@ -86,6 +86,8 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
     "test_rope_scaling_parity.py": "RoPE scaling: HF, Megatron and vLLM",
     "test_sampled_distribution.py": "vLLM sampling temperature vs the trainer's log-probs",
     "test_real_model.py": "SmolLM2-135M dequantised, converted and verified",
+    "test_gpu_check_small.py": "every CPU-capable check of benchmarks/gpu_check.py --small, each "
+                               "in its own process (~100-120 s)",
     "test_controller_faults.py::test_layout_larger_than_the_ray_cluster":
         "a CLI subprocess that starts a 1-CPU Ray cluster of its own",
     "test_verify_catches_mapping_errors.py::"
@@ -100,23 +102,23 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
 # xdist's own reordering by test count switched off). Files go out in collection order, so the
 # longest go first and the unit files fill the end: a long file that started last would run on
 # one worker while the other sat idle. Seconds per file, measured in `make test` on the 2-core
-# machine (2 workers, session 16's final CI; offline e2e estimated after session 17's cut; a file
-# not listed is short and keeps its place among them).
+# machine (2 workers, session 24's `make test` with bytecode cached; a file not listed, under
+# 15 s, keeps its place among the short ones).
 FILE_SECONDS = {
-    "test_async_e2e.py": 303, "test_controller_e2e.py": 173, "test_controller_faults.py": 164,
-    "test_off_policy_modes.py": 162, "test_refit.py": 158, "test_slurm_train.py": 158,
-    "test_offline_e2e.py": 150, "test_episodes_e2e.py": 146, "test_agent_e2e.py": 130, "test_context_parallel_grpo.py": 135,
-    "test_reliability.py": 126, "test_real_model.py": 116, "test_logprob_drift_e2e.py": 112,
-    "test_gpu_check_small.py": 110, "test_convert_cli.py": 109, "test_episodes_async_e2e.py": 96,
-    "test_moe_parity.py": 95, "test_actor_engine.py": 85, "test_dapo_e2e.py": 83,
-    "test_slurm_launch.py": 78, "test_context_parallel.py": 73, "test_moe_refit.py": 71,
-    "test_moe_grpo_e2e.py": 70, "test_resume_other_layout.py": 68,
-    "test_sampled_distribution.py": 59, "test_layout_parity.py": 56, "test_async_rollout.py": 80,
-    "test_controller_learning.py": 85, "test_multirank_harness.py": 50, "test_engine_state.py": 50,
-    "test_verify_bf16_checkpoint.py": 47, "test_train_from_checkpoint.py": 40,
-    "test_rope_scaling_parity.py": 37, "test_critic_reward.py": 33, "test_lora_engine.py": 28,
-    "test_cpu_shims.py": 27, "test_chunked_logprobs.py": 24, "test_actor_loss_terms.py": 21,
-    "test_conversion_memory.py": 21, "test_lora_parity.py": 21,
+    "test_async_e2e.py": 293, "test_off_policy_modes.py": 178, "test_reliability.py": 158,
+    "test_controller_e2e.py": 150, "test_controller_faults.py": 146, "test_slurm_train.py": 144,
+    "test_context_parallel_grpo.py": 142, "test_episodes_e2e.py": 135, "test_real_model.py": 129,
+    "test_moe_parity.py": 115, "test_offline_e2e.py": 112, "test_controller_learning.py": 108,
+    "test_agent_e2e.py": 106, "test_gpu_check_small.py": 98, "test_actor_engine.py": 89,
+    "test_refit.py": 88, "test_episodes_async_e2e.py": 83, "test_logprob_drift_e2e.py": 78,
+    "test_slurm_launch.py": 75, "test_moe_refit.py": 74, "test_convert_cli.py": 68,
+    "test_async_rollout.py": 66, "test_dapo_e2e.py": 58, "test_verify_bf16_checkpoint.py": 53,
+    "test_layout_parity.py": 46, "test_moe_grpo_e2e.py": 44, "test_engine_state.py": 40,
+    "test_multirank_harness.py": 39, "test_resume_other_layout.py": 36,
+    "test_sampled_distribution.py": 34, "test_lora_engine.py": 34, "test_critic_reward.py": 32,
+    "test_rope_scaling_parity.py": 32, "test_train_from_checkpoint.py": 32,
+    "test_context_parallel.py": 31, "test_cpu_shims.py": 25, "test_conversion_memory.py": 20,
+    "test_chunked_logprobs.py": 19, "test_actor_loss_terms.py": 19, "test_lora_parity.py": 18,
 }
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from rlhf_megatron.testing.batches import padded_prompt_batch
+from rlhf_megatron.testing.hf_reference import hf_token_logprobs
 from rlhf_megatron.testing.layouts import LOSS_TERMS
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
@@ -86,22 +87,12 @@ def _batch():
     return padded_prompt_batch(torch.Generator().manual_seed(13))
 
 
-def _hf_forward(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bs, S) log-probs and entropy aligned with input_ids (position 0 = 0), with autograd."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), -1)
-    lp = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.nn.functional.pad(lp, (1, 0)), torch.nn.functional.pad(ent, (1, 0))
-
-
 def _inputs(hf_dir: str, batch):
     """old = HF log-probs + noise (the ratio clips); ref and rollout log-probs further off."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    with torch.no_grad():
-        lp, _ = _hf_forward(model, batch)
+    lp, _ = hf_token_logprobs(model, batch.input_ids, batch.attention_mask, entropy=True)
     g = torch.Generator().manual_seed(17)
     mask = batch.loss_mask.float()
     old = (lp + 0.3 * torch.randn(lp.shape, generator=g)) * mask
@@ -210,7 +201,8 @@ def _reference_step(hf_dir: str, batch, case: dict
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    lp, ent = _hf_forward(model, batch)
+    lp, ent = hf_token_logprobs(model, batch.input_ids, batch.attention_mask, entropy=True,
+                                grad=True)
     loss, metrics, magnitudes = _hand_loss(lp, ent, batch.fields, batch.loss_mask.float(), case)
     loss.backward()
     with torch.no_grad():

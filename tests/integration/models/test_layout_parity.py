@@ -233,9 +233,8 @@ def _run_all_cases(hf_dirs: list[str]) -> dict:
     Both checks build their own model under one initialisation of each layout: Megatron keeps
     the groups of every layout it initialised (`threads` counts what a rank holds at the end),
     and initialising each layout twice per model ran past 900 s where once ran in ~60 s."""
-    import os
-
     from rlhf_megatron.parallel import destroy_layout, initialize_layout
+    from rlhf_megatron.testing.processes import thread_names
 
     results = {}
     for hf_dir in hf_dirs:
@@ -252,7 +251,7 @@ def _run_all_cases(hf_dirs: list[str]) -> dict:
     from checkpoint_tools.common import peak_rss_mb
 
     results["peak_rss_mb"] = peak_rss_mb()
-    results["threads"] = len(os.listdir("/proc/self/task"))
+    results["threads"] = len(thread_names())
     return results
 
 

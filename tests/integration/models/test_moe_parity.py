@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import pathlib
 import re
 
@@ -26,6 +25,7 @@ import torch
 from rlhf_megatron.testing.batches import next_token_pass, random_token_rows
 from rlhf_megatron.testing.layouts import MOE_PARITY
 from rlhf_megatron.testing.multirank import run_on_ranks
+from rlhf_megatron.testing.processes import thread_names
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 WORLD_SIZE = MOE_PARITY.ranks
@@ -143,9 +143,7 @@ def _hf_logits(hf_dir: str) -> torch.Tensor:
 def _gloo_threads() -> int:
     """This process's gloo threads, once what is unreachable has been collected."""
     gc.collect()
-    names = (pathlib.Path(f"/proc/self/task/{task}/comm").read_text().strip()
-             for task in os.listdir("/proc/self/task"))
-    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
+    return sum(name.startswith(("pt_gloo", "gloo_")) for name in thread_names())
 
 
 def _layouts(hf_dir: str):

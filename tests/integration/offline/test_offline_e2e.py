@@ -29,6 +29,7 @@ import torch
 
 from rlhf_megatron.cluster.lifecycle import EXIT_PREEMPTED
 from rlhf_megatron.offline.quickstart import prepare
+from rlhf_megatron.testing.hf_reference import hf_model, hf_token_logprobs
 from rlhf_megatron.testing.train_runs import (
     REPO,
     RayHead,
@@ -147,13 +148,7 @@ def test_dpo_from_sft_stops_on_sigterm_resumes_learns_and_its_export_matches(
     assert convert.returncode == 0, convert.stderr[-2000:]
     dumped = torch.load(run_dir / "batches" / f"step_{stopped + 1:08d}.pt")  # as an RL run's
     assert set(dumped) == {"input_ids", "attention_mask", "loss_mask", "fields"}
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ids, attention, mask = dumped["input_ids"], dumped["attention_mask"], dumped["loss_mask"]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits.float()
-    hf = torch.zeros_like(dumped["fields"]["logprobs"])
-    hf[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    hf = hf_token_logprobs(hf_model(out).eval(), ids, attention, mask)
     assert mask.sum() > 0
-    torch.testing.assert_close(hf * mask, dumped["fields"]["logprobs"] * mask, atol=2e-5, rtol=0)
+    torch.testing.assert_close(hf, dumped["fields"]["logprobs"] * mask, atol=2e-5, rtol=0)

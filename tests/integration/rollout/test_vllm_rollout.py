@@ -8,25 +8,19 @@ costs ~10-20 s on 2 cores.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rlhf_megatron.testing.hf_reference import (
     TEST_KV_CACHE_GB,
     VLLM_ENV,
     hf_batch_logprobs,
     hf_greedy,
+    hf_model,
     layer_buckets,
 )
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 230, 5]]
-
-
-def _hf_model(hf_dir: str):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
 
 
 def _rollout_job(hf_dir: str) -> dict:
@@ -36,7 +30,7 @@ def _rollout_job(hf_dir: str) -> dict:
 
     engine = VllmRolloutEngine(hf_dir, RolloutConfig(max_model_len=256, seed=0,
                                                        cpu_kv_cache_gb=TEST_KV_CACHE_GB))
-    model = _hf_model(hf_dir)
+    model = hf_model(hf_dir)
     out: dict = {}
     greedy = engine.generate(PROMPTS, SamplingSettings(temperature=0.0, max_tokens=8))
     out["greedy_equal"] = all(

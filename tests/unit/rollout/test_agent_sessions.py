@@ -216,10 +216,10 @@ def test_64_sessions_and_a_dropped_connection_end_cleanly(chat, tmp_path):
     the turn already generated (nothing generated twice), every episode ends with its reward, and
     nothing is left behind (no agent thread, no child process, no /dev/shm file)."""
     import multiprocessing
-    import os
     import threading
 
     from rlhf_megatron.rollout import SamplingSettings
+    from rlhf_megatron.testing.processes import shm_files
 
     script = ["<python> print( 7 * 8 + 3 ) </python>", "<answer> 59 </answer>"]
     generated: list[int] = []
@@ -244,7 +244,7 @@ def test_64_sessions_and_a_dropped_connection_end_cleanly(chat, tmp_path):
     spec = f"{agent_file}:agent"
     cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=60), max_turns=3,
                             max_tokens_per_turn=16, max_tokens_per_episode=48)
-    shm = set(os.listdir("/dev/shm"))
+    shm = shm_files()
     agent = load_agent(spec)
     agent.__globals__.update(STARTED=started, DROPPED=dropped)
     runner = AgentRunner(agent, cfg, chat, scripted,
@@ -260,4 +260,4 @@ def test_64_sessions_and_a_dropped_connection_end_cleanly(chat, tmp_path):
     assert episodes[0].ids == episodes[1].ids
     assert not [t for t in threading.enumerate() if t.name == "agents"]
     assert not multiprocessing.active_children()
-    assert set(os.listdir("/dev/shm")) <= shm
+    assert shm_files() <= shm
