@@ -105,8 +105,11 @@ class YarnRopeScaling:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # HF's guard against a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolation = 1 - ramp.to(inv_freq.device)
+        # On inv_freq's device: a build under `torch.device("meta")` (the planner's check) makes
+        # new tensors meta while Megatron's inv_freq is real.
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+                / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
         return inv_freq / self.factor * (1 - extrapolation) + inv_freq * extrapolation
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from rlhf_megatron.engines.critic import SEQUENCE_CLASSIFICATION_BASES
 from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.models import ARCHITECTURES, head_dim_of, pad_vocab_size
+from rlhf_megatron.models.gpt_oss import is_gpt_oss
 from rlhf_megatron.models.moe_config import is_moe_config, moe_shape
 from rlhf_megatron.models.registry import uses_mla
 
@@ -58,6 +59,11 @@ class ModelShape:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    linear_biases: bool = False
+    """Megatron's add_bias_linear (gpt-oss): besides the fused QKV's bias, the attention output
+    projection, the router and each expert's fc1 and fc2 have one (models/gpt_oss.py)."""
+    sinks: bool = False
+    """One learnable softmax offset per attention head (gpt-oss's `sinks`), split over TP."""
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelShape:
@@ -69,7 +75,9 @@ class ModelShape:
             mla = {"kv_lora_rank": hf.kv_lora_rank, "q_lora_rank": hf.q_lora_rank or 0,
                    "qk_nope_dim": hf.qk_nope_head_dim, "qk_rope_dim": hf.qk_rope_head_dim,
                    "v_head_dim": hf.v_head_dim}
+        biased = is_gpt_oss(hf)
         return cls(**moe, **mla,
+            linear_biases=biased, sinks=biased,
             architecture=spec.hf_architecture,
             hidden=hf.hidden_size,
             layers=hf.num_hidden_layers,
@@ -111,14 +119,28 @@ class ModelShape:
             replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
             if self.qkv_bias:
                 sharded += qkv_out
+        sharded += self.heads if self.sinks else 0
+        replicated += self.hidden if self.linear_biases else 0  # the row-parallel proj's bias
         if layer is not None and self.is_sparse(layer):
-            replicated += self.experts * self.hidden
-            experts = self.experts // ep * 3 * self.hidden * self.expert_ffn // tp
+            replicated += self.experts * self.hidden  # the router
+            replicated += self.experts if self.linear_biases else 0  # and its bias
+            experts = self.experts // ep * self.expert_params(tp)
             if self.shared_expert_ffn:
                 sharded += 3 * self.hidden * self.shared_expert_ffn
                 replicated += self.hidden if self.shared_expert_gate else 0
             return sharded // tp + experts + replicated
+        if self.linear_biases:  # fc1's (gate and up) split over TP, fc2's whole
+            sharded += 2 * self.ffn
+            replicated += self.hidden
         return (sharded + 3 * self.hidden * self.ffn) // tp + replicated
+
+    def expert_params(self, tp: int = 1) -> int:
+        """One routed expert's parameters on one TP rank: its SwiGLU FFN split over TP (expert-TP
+        = TP), with add_bias_linear fc1's bias split likewise and fc2's whole."""
+        params = 3 * self.hidden * self.expert_ffn // tp
+        if self.linear_biases:
+            params += 2 * self.expert_ffn // tp + self.hidden
+        return params
 
     def mla_down_params(self) -> int:
         """One MLA layer's q and kv down-projections (hidden x latent widths)."""
@@ -148,7 +170,7 @@ class ModelShape:
         """Parameters one token passes through (top-k of the experts); = total for dense models."""
         if not self.experts:
             return self.total_params()
-        idle = (self.experts - self.topk) * 3 * self.hidden * self.expert_ffn
+        idle = (self.experts - self.topk) * self.expert_params()
         return self.total_params() - idle * sum(self.sparse_layers)
 
     @property
@@ -213,7 +235,7 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, stage: int,
             head += padded * shape.hidden // tp
     indices = stage_layer_indices(shape.layers, pp, stage, vpp)
     experts = sum(shape.is_sparse(i) for i in indices) * (
-        shape.experts // ep * 3 * shape.hidden * shape.expert_ffn // tp)
+        shape.experts // ep * shape.expert_params(tp))
     return StageParams(stage, layers, embedding,
                        sum(shape.layer_params(tp, ep=ep, layer=i) for i in indices), head, experts)
 

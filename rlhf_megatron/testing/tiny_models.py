@@ -97,13 +97,15 @@ def tiny_hf_config(architecture: str, *, vocab_size: int, tie_word_embeddings: b
                       norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
                       attention_bias=True)
     # DeepSeek-V3: GLM's router settings, with multi-latent attention (low-rank q and kv, a
-    # decoupled RoPE key shared by the heads, interleaved RoPE dims) in place of GQA.
+    # decoupled RoPE key shared by the heads, interleaved RoPE dims) in place of GQA. Each head's
+    # no-RoPE and RoPE dims differ (32 and 16, as the real model's 128 and 64), so a translation
+    # that swapped them cannot pass; HF's head_dim is the RoPE part, as in DeepSeek's config.
     if architecture == "DeepseekV3ForCausalLM":
         fields.update(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                       n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                       norm_topk_prob=True, first_k_dense_replace=1, num_key_value_heads=4,
-                      q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                      v_head_dim=32, head_dim=32, rope_interleave=True)
+                      q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                      v_head_dim=32, head_dim=16, rope_interleave=True)
     # gpt-oss: 4 experts top-2 with biases, sinks, layers 0 and 2 sliding over 4 tokens (shorter
     # than the tests' rows), and a SwiGLU clamp of 0.5, inside the range of the tiny model's
     # gate/up values (about +-1.5), so that the clamp, like everything else, moves the logits.

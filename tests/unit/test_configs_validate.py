@@ -28,6 +28,7 @@ BIG_MODELS = {
     "llama3.1-70b_ppo_8x8.yaml": Cluster(8, 8, 80),
     "llama3.1-70b_grpo_lora_1x8.yaml": Cluster(1, 8, 80),
     "qwen2.5-72b_grpo_8x8.yaml": Cluster(8, 8, 80),
+    "gpt-oss-120b_grpo_8x8.yaml": Cluster(8, 8, 80),
     "verl_gsm8k_qwen2.5-0.5b_1x1.yaml": Cluster(1, 1, 24),  # verl's quickstart: one 24 GB GPU
     "verl_gsm8k_qwen2.5-7b_1x8.yaml": Cluster(1, 8, 80),
 }

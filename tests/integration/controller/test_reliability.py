@@ -25,7 +25,6 @@ import pytest
 
 from rlhf_megatron.cli import main
 from rlhf_megatron.cluster.lifecycle import EXIT_PREEMPTED
-from rlhf_megatron.quickstart import prepare
 from rlhf_megatron.records.checkpoint_store import CheckpointStore, verify_checkpoint
 from rlhf_megatron.testing.processes import leaked_refit_segments, pids_with_env, refit_segments
 from rlhf_megatron.testing.train_runs import (
@@ -83,9 +82,7 @@ def _finish(process: subprocess.Popen, timeout: float) -> int:
         raise
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare(tmp_path_factory.mktemp("quickstart_assets"))
+# `assets`: the quickstart's, tests/integration/conftest.py.
 
 
 @pytest.fixture(scope="module")

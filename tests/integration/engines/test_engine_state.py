@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlhf_megatron.testing.layouts import ENGINE_RESUME
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
@@ -102,15 +103,7 @@ def test_offload_onload_is_bitwise_and_frees_memory(tmp_path):
 # checkpoint (weights, Adam state, LR schedule) and takes the same second step on the same global
 # batch. The weights after that step are compared as full HF tensors, so layouts compare directly.
 RESUME_LR, RESUME_TOLERANCE = 1e-3, 1e-6
-# (case, saving (tp, pp), loading (tp, pp), distributed optimizer, optimizer); world size 2,
-# dp derived. Adam unless named: SGD with momentum checks a fresh SGD's load (no init_state_fn).
-RESUME_CASES = [
-    ("tp2->tp2", (2, 1), (2, 1), False, "adam"),  # same layout: bitwise
-    ("tp2->tp1dp2", (2, 1), (1, 1), False, "adam"),  # TP2 -> TP1 and DP1 -> DP2
-    ("pp2->tp2", (1, 2), (2, 1), False, "adam"),
-    ("distopt:dp2->tp2", (1, 1), (2, 1), True, "adam"),  # fully reshardable; DP2->DP1, TP1->TP2
-    ("sgd:tp2->tp1dp2", (2, 1), (1, 1), False, "sgd"),
-]
+# The cases: ENGINE_RESUME in rlhf_megatron/testing/layouts.py.
 
 
 def _batches():
@@ -130,13 +123,13 @@ def _dp_share(batch):
     return batch.select(list(range(rank * rows, (rank + 1) * rows)))
 
 
-def _resume_engine(hf_dir: str, tp: int, pp: int, distributed: bool, name: str):
+def _resume_engine(hf_dir: str, layout, distributed: bool, name: str):
     import torch.distributed as dist
 
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.parallel import ParallelDims, initialize_layout
+    from rlhf_megatron.parallel import initialize_layout
 
-    dims = ParallelDims(dist.get_world_size(), tp=tp, pp=pp)
+    dims = layout.dims(dist.get_world_size())
     initialize_layout(dims)
     # Warm-up makes the LR depend on the restored schedule; weight decay on the restored step.
     optimizer = OptimizerSettings(name=name, lr=RESUME_LR, warmup_steps=3, weight_decay=0.01,
@@ -163,18 +156,19 @@ def _adam_steps(engine) -> set:
             for s in m.optimizer.state.values()}
 
 
-def _one_case(hf_dir: str, ckpt: str, save_at, load_at, distributed: bool, name: str) -> dict:
+def _one_case(hf_dir: str, ckpt: str, case) -> dict:
     from rlhf_megatron.parallel import destroy_layout
 
+    distributed, name = case.distributed_optimizer, case.optimizer
     first, second = _batches()
-    engine = _resume_engine(hf_dir, *save_at, distributed, name)
+    engine = _resume_engine(hf_dir, case.saving, distributed, name)
     _step(engine, _dp_share(first))
     with _distributed_optimizer_on_cpu(distributed):
         engine.save_checkpoint(ckpt, step=1)
     reference = _step(engine, _dp_share(second))
     expected = _hf_weights(engine)
     destroy_layout()
-    resumed_engine = _resume_engine(hf_dir, *load_at, distributed, name)
+    resumed_engine = _resume_engine(hf_dir, case.loading, distributed, name)
     with _distributed_optimizer_on_cpu(distributed):
         step = resumed_engine.load_checkpoint(ckpt)
     steps_loaded = _adam_steps(resumed_engine)
@@ -188,8 +182,8 @@ def _one_case(hf_dir: str, ckpt: str, save_at, load_at, distributed: bool, name:
 
 
 def _resume_job(hf_dir: str, root: str) -> dict:
-    return {case: _one_case(hf_dir, f"{root}/{i}", *rest)
-            for i, (case, *rest) in enumerate(RESUME_CASES)}
+    return {case.name: _one_case(hf_dir, f"{root}/{i}", case)
+            for i, case in enumerate(ENGINE_RESUME)}
 
 
 @pytest.mark.multirank
@@ -197,7 +191,8 @@ def test_resume_at_another_layout_equals_the_original_layouts_next_step(tmp_path
     hf_dir = write_tiny_hf_checkpoint(tmp_path / "hf", "Qwen3ForCausalLM",
                                       tie_word_embeddings=True)
     per_rank = run_on_ranks(_resume_job, 2, (str(hf_dir), str(tmp_path)), timeout_s=600)
-    for name, *_, optimizer in RESUME_CASES:
+    for case in ENGINE_RESUME:
+        name, optimizer = case.name, case.optimizer
         results = [rank[name] for rank in per_rank]
         expected = {k: v for r in results for k, v in r["expected"].items()}
         got = {k: v for r in results for k, v in r["got"].items()}
@@ -212,7 +207,7 @@ def test_resume_at_another_layout_equals_the_original_layouts_next_step(tmp_path
         if name == "tp2->tp2":
             assert worst == 0.0, f"{name}: resumed run differs from the uninterrupted one"
         assert worst < RESUME_TOLERANCE, f"{name}: weights differ by {worst:.3g}"
-    for i in range(len(RESUME_CASES)):
+    for i in range(len(ENGINE_RESUME)):
         assert (tmp_path / str(i) / "engine_state.pt").is_file()
         assert not (tmp_path / f"{i}.tmp").exists()
 

@@ -26,6 +26,7 @@ CASES = [
     ("configs/qwen3-235b-a22b_grpo_16x8.yaml", "actor"),  # MoE: TP 4 x PP 2 x EP 8
     ("configs/glm-4.5-air_grpo_8x8.yaml", "actor"),  # sigmoid router, ungated shared expert
     ("configs/glm-4.5_grpo_16x8_h200.yaml", "actor"),  # 3 dense layers first, q/k norm, PP 4
+    ("configs/gpt-oss-120b_grpo_8x8.yaml", "actor"),  # biased linears, sinks; TP 1 x PP 4 x EP 8
 ]
 # DeepSeek-V3 (multi-latent attention) has no run config (docs/MOE.md): its shapes on the GLM-4.5-Air
 # config's 32 actor GPUs at TP 8 x EP 4 (PP 1: 61 layers).
@@ -105,3 +106,18 @@ def test_planner_counts_match_megatron_stages_on_meta():
         assert built == planned, f"{config} {role} {stage} stage: built {built}, planned {planned}"
     llama_first = results[0]
     assert llama_first[3] == 1_201_831_936  # 10 layers + embedding at TP 8 (see docs/PLANNER.md)
+
+
+def test_planner_total_of_gpt_oss_120b_equals_hf_models():
+    """gpt-oss's biases (attention output, router, each expert's gate/up and down) and sinks are
+    counted: the planner's total equals HF transformers' own model of the config (meta device)."""
+    import torch
+    import transformers
+
+    from rlhf_megatron.planner import ModelShape
+
+    hf = transformers.AutoConfig.from_pretrained(REPO / "configs" / "models" / "gpt-oss-120b")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    counted = sum(p.numel() for p in model.parameters())
+    assert ModelShape.from_hf(hf).total_params() == counted == 116_829_156_672

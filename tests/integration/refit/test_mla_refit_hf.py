@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_megatron.testing.layouts import Layout
+from rlhf_megatron.testing.layouts import MLA_REFIT
 from rlhf_megatron.testing.multirank import run_on_ranks
 from rlhf_megatron.testing.tiny_models import write_tiny_hf_checkpoint
 
-LAYOUTS = (Layout(tp=2), Layout(ep=2))
 TOLERANCE = 1e-5  # fp32 on both sides, the same arithmetic as the parity tests
 
 
@@ -34,7 +33,7 @@ def _refit_job(hf_dir: str, out_dir: str) -> dict:
 
     batch = refit_batch()
     results = {}
-    for layout in LAYOUTS:
+    for layout in MLA_REFIT.layouts:
         actor, before = trained_actor(hf_dir, layout, batch)
         after = actor.compute_logprobs(batch)["logprobs"]
         sent = {t.name: t.tensor.contiguous().clone() for t in iter_hf_tensors(actor)}
@@ -53,8 +52,10 @@ def test_mla_refit_tensors_reproduce_the_actor_in_hf(tmp_path):
     from rlhf_megatron.testing.hf_reference import hf_batch_logprobs, hf_model
     from rlhf_megatron.testing.rollout_service import refit_batch
 
-    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", "DeepseekV3ForCausalLM"))
-    per_rank = run_on_ranks(_refit_job, 2, (hf_dir, str(tmp_path / "sent")), timeout_s=600)
+    (architecture,) = MLA_REFIT.architectures
+    hf_dir = str(write_tiny_hf_checkpoint(tmp_path / "hf", architecture))
+    per_rank = run_on_ranks(_refit_job, MLA_REFIT.ranks, (hf_dir, str(tmp_path / "sent")),
+                            timeout_s=600)
     batch = refit_batch()
     mask = batch.loss_mask.bool()
     for name, result in per_rank[0].items():

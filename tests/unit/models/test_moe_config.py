@@ -150,7 +150,7 @@ def test_deepseek_v3_translation():
     config = _args(cfg).transformer_config
     assert config.multi_latent_attention and config.qk_layernorm
     assert (config.q_lora_rank, config.kv_lora_rank) == (64, 32)
-    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (32, 32, 32)
+    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (32, 16, 32)
     assert config.rope_type == "yarn" and config.rotary_scaling_factor == 40.0
     assert config.original_max_position_embeddings == 4096 and config.mscale_all_dim == 1.0
     assert config.moe_router_score_function == "sigmoid" and config.moe_layer_freq == [0, 1, 1, 1]
