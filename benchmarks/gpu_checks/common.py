@@ -144,26 +144,14 @@ def precise_fp32() -> None:
 
 
 def build_actor(hf_dir: Path, *, dtype: str = "fp32", micro_batch_size: int = 2,
-                use_packing: bool = False, **optimizer: Any) -> Any:
-    """An ActorEngine at TP1/PP1/DP1 (the default optimizer settings, overridden by `optimizer`)."""
+                use_packing: bool = False, lora: Any = None, **optimizer: Any) -> Any:
+    """An ActorEngine at TP1/PP1/DP1 (the default optimizer settings, overridden by `optimizer`;
+    `lora`: LoraSettings for adapters on the actor)."""
     from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
 
     dims = init_single_rank()
     config = EngineConfig(micro_batch_size=micro_batch_size, use_packing=use_packing, dtype=dtype,
-                          optimizer=OptimizerSettings(**optimizer))
-    return ActorEngine(config, hf_dir=hf_dir, dims=dims)
-
-
-def build_lora_actor(hf_dir: Path, *, rank: int, alpha: float, dtype: str = "fp32",
-                     micro_batch_size: int = 2, **optimizer: Any) -> Any:
-    """build_actor's engine with LoRA adapters of `rank` on every attention and MLP linear."""
-    from rlhf_megatron.engines import ActorEngine, EngineConfig, OptimizerSettings
-    from rlhf_megatron.models.lora_settings import LoraSettings
-
-    dims = init_single_rank()
-    config = EngineConfig(micro_batch_size=micro_batch_size, dtype=dtype,
-                          optimizer=OptimizerSettings(**optimizer),
-                          lora=LoraSettings(rank=rank, alpha=alpha))
+                          optimizer=OptimizerSettings(**optimizer), lora=lora)
     return ActorEngine(config, hf_dir=hf_dir, dims=dims)
 
 

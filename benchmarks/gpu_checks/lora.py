@@ -14,7 +14,7 @@ import torch
 
 from gpu_checks.child import CheckContext
 from gpu_checks.common import (
-    build_lora_actor,
+    build_actor,
     main_params,
     make_batch,
     model_dir,
@@ -22,6 +22,7 @@ from gpu_checks.common import (
     vocab_of,
 )
 from rlhf_megatron.engines.optimizer_state import megatron_optimizers
+from rlhf_megatron.models.lora_settings import LoraSettings
 
 RANK, ALPHA = 8, 16.0
 
@@ -35,8 +36,8 @@ def check_lora_update(ctx: CheckContext) -> None:
     ctx.metric("model", f"{hf_dir.name} ({dtype}), LoRA rank {RANK}")
     batch = make_batch(rows, seq, vocab_of(hf_dir), seed=2, advantages="positive")
     with ctx.part("lora updates"):
-        engine = build_lora_actor(hf_dir, rank=RANK, alpha=ALPHA, dtype=dtype,
-                                  micro_batch_size=rows // 2, lr=1e-3)
+        engine = build_actor(hf_dir, dtype=dtype, micro_batch_size=rows // 2, lr=1e-3,
+                             lora=LoraSettings(rank=RANK, alpha=ALPHA))
         kinds = [type(o).__name__ for o in megatron_optimizers(engine.optimizer)]
         ctx.metric("optimizer", kinds)
         if ctx.cuda:
@@ -66,8 +67,8 @@ def check_lora_update(ctx: CheckContext) -> None:
         moved = (after - before).abs().max().item()
         ctx.metric("policy_moved_max", moved, summary=True)
         ctx.require("the adapters moved the policy", moved > 1e-3, moved)
-        unchanged = all(torch.equal(t, dict(engine.named_weights(merged=False))[n])
-                        for n, t in base)
+        now = dict(engine.named_weights(merged=False))
+        unchanged = all(torch.equal(t, now[n]) for n, t in base)
         ctx.require("base weights bit-unchanged", unchanged)
         reference = engine.adapters_off().compute_logprobs(batch)["logprobs"]
         ctx.require("adapters off = the base before any update, bit for bit",
