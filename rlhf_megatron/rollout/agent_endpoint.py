@@ -12,25 +12,47 @@ engine's event loop (a turn is one request of the engine, like an environment's 
 Request bodies are validated with vLLM's own OpenAI protocol models (``ChatCompletionRequest``,
 ``CompletionRequest``). A request is one turn of its session (rollout/agent_sessions.py), one at a
 time per session. Refused, each as a one-line JSON ``{"error": {"message", "type", "code"}}``:
-a wrong key (401), an unknown or finished session (404, 410), a malformed body (400), ``n`` other
-than 1 (a session is one token stream), a ``temperature`` or ``top_p`` other than the run's (the
-trainer's log-probs are of the run's sampling), a turn past the episode's limits (400).
-``stream: true`` is answered as server-sent events, after the turn is generated (one content
-chunk, one tool-call chunk, the finish chunk, ``[DONE]``). A client that loses its connection
-mid-turn (a timeout, a disconnect) and sends the same request again is answered with the turn
-already generated (``agent/replays``), as the ``openai`` SDK's own retries expect.
+a wrong key (401), an unknown or finished session (404, 410), a malformed body (400), ``n`` or
+``top_logprobs`` out of range, a ``temperature`` or ``top_p`` other than the run's (the
+trainer's log-probs are of the run's sampling), a prompt the engine refuses (past its
+``max_model_len``) or a turn past the episode's limits (400).
+
+``n`` > 1 generates that many choices of the turn from the same ids (seeds differ per choice).
+The session records choice 0 as its turn and switches to another choice when the agent sends
+that one back (agent_sessions.SessionTokens.take_choice): the episode is always the token stream
+the agent went on with.
+
+``stream: true`` is answered as server-sent events as the tokens are generated: a content chunk
+per batch of new text (held back where a ``stop`` string may still begin; a vLLM tool parser
+sees the whole turn first, so its content comes at the end), then each choice's log-probs, tool
+calls and finish, the usage (``stream_options.include_usage``) and ``[DONE]``. A turn is a task of
+its own: a client that loses its connection mid-turn (a timeout, a disconnect, mid-stream) stops
+the events, not the turn, and the same request sent again is answered with the turn already
+generated (``agent/replays``), as the ``openai`` SDK's own retries expect.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import dataclasses
 import logging
 import secrets
 import time
-import uuid
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from rlhf_megatron.rewards.errors import one_line
+from rlhf_megatron.rollout.agent_replies import (
+    Choice,
+    ChunkShapes,
+    TextStream,
+    TurnDeltas,
+    chat_reply,
+    cut_at_stop,
+    reply_text,
+    sse,
+    text_reply,
+)
 from rlhf_megatron.rollout.agent_sessions import (
     AgentSession,
     SessionError,
@@ -38,12 +60,15 @@ from rlhf_megatron.rollout.agent_sessions import (
     plain_messages,
 )
 from rlhf_megatron.rollout.agent_tools import ToolCallParser
-from rlhf_megatron.rollout.episodes import ChatFormat, TurnGenerator, TurnOutput, record_turn
+from rlhf_megatron.rollout.episodes import ChatFormat, TurnGenerator, TurnOptions, record_turn
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-Id"
 MAX_BODY_BYTES = 8 * 2**20
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+"""vLLM's default ``max_logprobs``, and OpenAI's own limit."""
 
 
 class AgentEndpoint:
@@ -155,142 +180,181 @@ class AgentEndpoint:
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise SessionError(400, f"invalid request: {where}: {first.get('msg')}") from None
 
-    def _check_sampling(self, req: Any) -> None:
-        if req.n not in (None, 1):
-            raise SessionError(400, f"n={req.n}: a session is one token stream; open one "
-                                    "session per sample (rollout.sampling.n of them per prompt)")
+    def _choices(self, req: Any) -> tuple[int, int]:
+        """The request's ``n`` and top log-probs count, checked; its temperature and top_p must
+        be the run's (the trainer's log-probs are of the run's sampling)."""
+        n = 1 if req.n is None else int(req.n)
+        if not 1 <= n <= MAX_CHOICES:
+            raise SessionError(400, f"n={req.n}: expected 1 to {MAX_CHOICES} choices")
         for name in ("temperature", "top_p"):
             value, run_value = getattr(req, name), getattr(self.sampling, name)
             if value is not None and abs(float(value) - float(run_value)) > 1e-6:
                 raise SessionError(400, f"{name}={value} differs from the run's "
                                         f"rollout.sampling.{name}={run_value}: the trainer's "
                                         "log-probs are of the run's sampling")
+        chat = hasattr(req, "messages")  # chat: logprobs true + top_logprobs; text: logprobs k
+        top = int((req.top_logprobs if req.logprobs else 0) if chat else (req.logprobs or 0))
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise SessionError(400, f"top_logprobs={top}: expected 0 to {MAX_TOP_LOGPROBS}")
+        return n, top
 
-    async def _generate(self, s: AgentSession, max_tokens: int, stop: list[str]
-                        ) -> tuple[TurnOutput, str]:
+    async def _generate(self, s: AgentSession, n: int, max_tokens: int, options: TurnOptions,
+                        deltas: TurnDeltas | None) -> list[Choice]:
+        """The request's ``n`` choices, generated together after the session's ids; choice 0
+        is recorded as the episode's turn (the session takes another if the agent goes on with
+        it, agent_sessions.SessionTokens.take_choice)."""
         start = time.perf_counter()
+        e = s.episode
         try:
-            out = await self.turn(s.episode, max_tokens, tuple(stop))
+            outs = await asyncio.gather(*(self.turn(e, max_tokens, dataclasses.replace(
+                options, choice=j, on_tokens=None if deltas is None else deltas.sink(j)))
+                for j in range(n)))
         except ValueError as exc:  # vLLM refuses the request (a prompt past max_model_len)
-            s.episode.done = s.episode.truncated = True
+            e.done = e.truncated = True
             raise SessionError(400, f"the engine refused the turn: {one_line(str(exc))}") from None
         s.state.generate_seconds += time.perf_counter() - start
-        text = record_turn(s.episode, out, self.chat.tokenizer)
-        cut = [text.find(x) for x in stop if x and x in text]
-        return out, text[:min(cut)] if cut else text
-
-    def _logprobs(self, out: TurnOutput) -> list[dict[str, Any]]:
-        texts = [self.chat.tokenizer.decode([i]) for i in out.token_ids]
-        return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(texts, out.logprobs, strict=True)]
+        record_turn(e, outs[0], self.chat.tokenizer)
+        return [Choice(out, cut_at_stop(self.chat.tokenizer.decode(
+            out.token_ids, skip_special_tokens=True), options.stop)) for out in outs]
 
     async def _chat(self, request: Any) -> Any:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         s = self._session(request)
         body, req = await self._body(request, ChatCompletionRequest)
-        self._check_sampling(req)
+        n, top = self._choices(req)
         tools = body.get("tools") or None
         messages = plain_messages(req.messages)
+        parsed = bool(tools) and req.tool_choice != "none" and self.parser.parser_cls is not None
+        deltas = TurnDeltas(n) if req.stream and not parsed else None
+        options = TurnOptions(stop=tuple(_stops(req.stop)), top_logprobs=top)
+        return await self._answer(request, s, req, self._chat_turn(
+            s, req, messages, tools, n, options, deltas), deltas, ChunkShapes(True, req.model))
+
+    async def _answer(self, request: Any, s: AgentSession, req: Any, turn: Coroutine,
+                      deltas: TurnDeltas | None, shapes: ChunkShapes) -> Any:
+        """Run ``turn`` as a task of its own (a client that goes away mid-turn leaves it to
+        finish and be recorded) and answer with its reply, whole or as server-sent events."""
+        task = asyncio.ensure_future(turn)
+        if req.stream:
+            return await self._stream(request, s, task, deltas, shapes, _stops(req.stop), req)
+        from aiohttp import web
+
+        return web.json_response(await asyncio.shield(task))
+
+    async def _chat_turn(self, s: AgentSession, req: Any, messages: list[dict[str, Any]],
+                         tools: Any, n: int, options: TurnOptions,
+                         deltas: TurnDeltas | None) -> dict[str, Any]:
+        """One chat turn of session ``s``, under its lock: its reply."""
         async with s.lock:
             if s.last_reply is not None and s.last_request == (messages, tools):
                 # The same request again: a client that timed out or lost the connection
                 # retries; it gets the turn already generated (a session is one token stream).
                 s.state.replays += 1
-                return await self._send(request, s, s.last_reply, req.stream)
+                return s.last_reply
             start = time.perf_counter()
             self.tokens.open_chat(s, messages, tools)
             budget = self.tokens.budget(s, req.max_completion_tokens or req.max_tokens)
-            out, text = await self._generate(s, budget, _stops(req.stop))
-            content, calls = (text, []) if req.tool_choice == "none" else self.parser.parse(
-                text, req, tools or [])
-            s.state.tool_stats.calls += len(calls)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            s.sent = messages + plain_messages([message])
+            choices = await self._generate(s, n, budget, options, deltas)
+            for c in choices:
+                content, c.calls = (c.text, []) if req.tool_choice == "none" else \
+                    self.parser.parse(c.text, req, tools or [])
+                c.message = {"role": "assistant", "content": content}
+                if c.calls:
+                    c.message["tool_calls"] = c.calls
+            s.state.tool_stats.calls += len(choices[0].calls)
+            s.sent = messages + plain_messages([choices[0].message])
+            s.choices = [(c.out, plain_messages([c.message])[0]) for c in choices]
             s.state.requests += 1
             s.state.handler_seconds += time.perf_counter() - start
-        finish = "tool_calls" if calls else ("length" if out.finish_reason == "length" else "stop")
-        choice = {"index": 0, "message": message, "finish_reason": finish,
-                  "logprobs": {"content": self._logprobs(out)} if req.logprobs else None}
-        usage = {"prompt_tokens": len(s.episode.ids) - len(out.token_ids),
-                 "completion_tokens": len(out.token_ids), "total_tokens": len(s.episode.ids)}
-        reply = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                 "created": int(time.time()), "model": req.model or "policy",
-                 "choices": [choice], "usage": usage}
-        s.last_request, s.last_reply = (messages, tools), reply
-        return await self._send(request, s, reply, req.stream)
+            prompt_tokens = len(s.episode.ids) - len(choices[0].out.token_ids)
+            reply = chat_reply(req.model or "policy", prompt_tokens, choices,
+                               self.chat.tokenizer, bool(req.logprobs))
+            s.last_request, s.last_reply = (messages, tools), reply
+            return reply
 
-    async def _send(self, request: Any, s: AgentSession, reply: dict[str, Any],
-                    stream: bool) -> Any:
-        if stream:
-            return await self._stream(request, s, reply)
+    async def _stream(self, request: Any, s: AgentSession, turn: asyncio.Future,
+                      deltas: TurnDeltas | None, shapes: ChunkShapes, stop: Sequence[str],
+                      req: Any) -> Any:
+        """The reply as server-sent events: each choice's text as it is generated (unless a
+        vLLM tool parser must see the whole turn first), then the rest of each choice, its tool
+        calls and finish, and ``[DONE]``. Nothing is sent before the first token, so a refused
+        turn is still an HTTP error. A client that goes away stops the events, not the turn."""
         from aiohttp import web
 
-        return web.json_response(reply)
-
-    async def _stream(self, request: Any, s: AgentSession, reply: dict[str, Any]) -> Any:
-        """The chat reply as server-sent events: content, tool calls, finish, [DONE]."""
-        from aiohttp import web
-
-        choice = reply["choices"][0]
-        head = {k: reply[k] for k in ("id", "created", "model")}
-        head["object"] = "chat.completion.chunk"
-        deltas = [{"role": "assistant", "content": choice["message"]["content"] or ""}]
-        if choice["message"].get("tool_calls"):
-            deltas.append({"tool_calls": [{"index": i, **c} for i, c in
-                                          enumerate(choice["message"]["tool_calls"])]})
-        chunks = [{**head, "choices": [{"index": 0, "delta": d, "finish_reason": None,
-                                        "logprobs": choice["logprobs"] if i == 0 else None}]}
-                  for i, d in enumerate(deltas)]
-        chunks.append({**head, "choices": [{"index": 0, "delta": {},
-                                            "finish_reason": choice["finish_reason"]}]})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+        texts = [TextStream(self.chat.tokenizer, stop) for _ in range(deltas.n if deltas else 0)]
+        response: Any = None
         try:
-            await response.prepare(request)
-            for chunk in chunks:
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
+            while deltas is not None and not turn.done():
+                await deltas.wait(turn)
+                pieces = [(j, texts[j].push(ids)) for j, ids in deltas.take()]
+                if response is None and any(piece for _, piece in pieces):
+                    response = await self._open_stream(request)
+                for j, piece in pieces:
+                    if piece:
+                        await response.write(sse(shapes.piece(j, piece)))
+            if response is None:
+                reply = await asyncio.shield(turn)  # refused: the middleware's HTTP error
+                response = await self._open_stream(request)
+            else:
+                try:
+                    reply = await asyncio.shield(turn)
+                except SessionError as exc:  # after the first token: an error event
+                    await response.write(sse({"error": {"message": str(exc), "type": exc.kind,
+                                                        "code": exc.status}}))
+                    await response.write_eof()
+                    return response
+            rests = [texts[j].rest(reply_text(c)) if texts else reply_text(c)
+                     for j, c in enumerate(reply["choices"])]
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            for chunk in shapes.ending(reply, rests, include_usage):
+                await response.write(sse(chunk))
+            await response.write(sse("[DONE]"))
             await response.write_eof()
         except (ConnectionResetError, ConnectionError) as exc:  # the client went away
             s.state.http_errors += 1
             log.warning("agent endpoint: session %s disconnected mid-stream (%s)", s.sid,
                         type(exc).__name__)
+        return response if response is not None else web.Response(status=499)
+
+    async def _open_stream(self, request: Any) -> Any:
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
         return response
 
     async def _completion(self, request: Any) -> Any:
-        from aiohttp import web
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         s = self._session(request)
         body, req = await self._body(request, CompletionRequest)
-        self._check_sampling(req)
-        if req.stream:
-            raise SessionError(400, "stream=true is served on /v1/chat/completions only")
+        n, top = self._choices(req)
         if not isinstance(req.prompt, str):
             raise SessionError(400, "prompt: a session's completion prompt is one string")
+        if req.echo or req.suffix:
+            raise SessionError(400, "echo and suffix are not served: a session's text is "
+                                    "its prompt followed by the completions")
+        deltas = TurnDeltas(n) if req.stream else None
+        options = TurnOptions(stop=tuple(_stops(req.stop)), top_logprobs=top)
+        return await self._answer(request, s, req, self._completion_turn(
+            s, req, n, options, deltas), deltas, ChunkShapes(False, req.model))
+
+    async def _completion_turn(self, s: AgentSession, req: Any, n: int, options: TurnOptions,
+                               deltas: TurnDeltas | None) -> dict[str, Any]:
         async with s.lock:
             start = time.perf_counter()
             self.tokens.open_completion(s, req.prompt)
-            out, text = await self._generate(s, self.tokens.budget(s, req.max_tokens),
-                                             _stops(req.stop))
-            s.text = req.prompt + text
+            choices = await self._generate(s, n, self.tokens.budget(s, req.max_tokens),
+                                           options, deltas)
+            s.text = req.prompt + choices[0].text
+            s.choices = [(c.out, req.prompt + c.text) for c in choices]
             s.state.requests += 1
             s.state.handler_seconds += time.perf_counter() - start
-        lps = self._logprobs(out)
-        logprobs = None if req.logprobs is None else {
-            "tokens": [x["token"] for x in lps], "token_logprobs": [x["logprob"] for x in lps],
-            "top_logprobs": None, "text_offset": None}
-        return web.json_response({
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": req.model or "policy",
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                         "finish_reason": "length" if out.finish_reason == "length" else "stop"}],
-            "usage": {"prompt_tokens": len(s.episode.ids) - len(out.token_ids),
-                      "completion_tokens": len(out.token_ids),
-                      "total_tokens": len(s.episode.ids)}})
+            return text_reply(req.model or "policy",
+                              len(s.episode.ids) - len(choices[0].out.token_ids), choices,
+                              self.chat.tokenizer, req.logprobs is not None)
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import web

@@ -164,6 +164,7 @@ class AgentRunner(EpisodeRunner):
             "agent/text_mismatches": float(sum(st.text_mismatches for st in states)),
             "agent/token_mismatches": float(sum(st.token_mismatches for st in states)),
             "agent/replays": float(sum(st.replays for st in states)),
+            "agent/choices_taken": float(sum(st.choices_taken for st in states)),
             "agent/http_errors": float(sum(st.http_errors for st in states) + self.endpoint_errors),
             "agent/failed_frac": sum(st.error is not None for st in states) / n,
             "agent/reward_by_config_frac": sum(not e.scored for e in episodes) / n,

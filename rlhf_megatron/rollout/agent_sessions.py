@@ -24,7 +24,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf_megatron.environments.base import Environment
-from rlhf_megatron.rollout.episodes import ChatFormat, Episode, turn_budget
+from rlhf_megatron.rollout.episodes import (
+    ChatFormat,
+    Episode,
+    TurnOutput,
+    record_turn,
+    turn_budget,
+    unrecord_turn,
+)
 
 
 class SessionError(Exception):
@@ -47,6 +54,8 @@ class AgentEpisodeState(Environment):
         self.error: str | None = None
         self.replays = 0
         """Requests answered again with the turn already generated (a client's retry)."""
+        self.choices_taken = 0
+        """Turns switched to a choice other than the first of an ``n`` > 1 request."""
         self.generate_seconds = 0.0
         self.handler_seconds = 0.0
 
@@ -64,6 +73,9 @@ class AgentSession:
         self.last_request: tuple[list[dict[str, Any]], Any] | None = None
         self.last_reply: dict[str, Any] | None = None
         """The last chat request (messages, tools) and its reply, for a client's retry."""
+        self.choices: list[tuple[TurnOutput, Any]] = []
+        """The last request's choices: (its turn, the message or the whole text the agent
+        would send back of it); choice 0 is the one recorded."""
         self.lock = asyncio.Lock()
         self.closed = False
 
@@ -138,6 +150,10 @@ class SessionTokens:
         if last is None:
             raise SessionError(400, f"session {s.sid} has turns but the messages hold no "
                                     "assistant message: send the conversation back")
+        sent = comparable(messages[last:last + 1])
+        taken = self.take_choice(s, lambda message: comparable([message]) == sent)
+        if taken is not None:
+            s.sent = s.sent[:-1] + [taken]
         self._check_prefix(s, messages[:last + 1], tools)
         self.append(s, self.chat.observation_ids(messages[last + 1:], s.episode.last_generated))
 
@@ -152,6 +168,9 @@ class SessionTokens:
         if s.text is None:
             raise SessionError(409, f"session {s.sid} was opened with /v1/chat/completions; "
                                     "continue it there")
+        taken = self.take_choice(s, prompt.startswith, longest_first=True)
+        if taken is not None:
+            s.text = taken
         if not prompt.startswith(s.text):
             s.state.text_mismatches += 1
             raise SessionError(409, f"session {s.sid}: the prompt does not continue the "
@@ -159,6 +178,24 @@ class SessionTokens:
         suffix = prompt[len(s.text):]
         self.append(s, self.chat.encode(suffix) if suffix else [])
         s.text = prompt
+
+    def take_choice(self, s: AgentSession, matches: Any, longest_first: bool = False) -> Any:
+        """After an ``n`` > 1 request: if the agent went on with a choice other than the
+        recorded one (choice 0), record that one as the episode's turn instead. ``matches``
+        tells whether a choice's message (or whole text) is what the agent sent back; returns
+        the switched-to message or text, or None (choice 0 stays; a choice that matches no
+        candidate is the text check's business)."""
+        choices, s.choices = s.choices, []
+        if len(choices) < 2:
+            return None
+        order = sorted(choices, key=lambda c: -len(c[1])) if longest_first else choices
+        chosen = next((c for c in order if matches(c[1])), None)
+        if chosen is None or chosen is choices[0]:
+            return None
+        unrecord_turn(s.episode, choices[0][0])
+        record_turn(s.episode, chosen[0], self.chat.tokenizer)
+        s.state.choices_taken += 1
+        return chosen[1]
 
     def _check_prefix(self, s: AgentSession, prefix: list[dict[str, Any]],
                       tools: list[dict[str, Any]] | None) -> None:

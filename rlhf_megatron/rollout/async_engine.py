@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,11 @@ _EXTENSION = "rlhf_megatron.rollout.async_worker_ext.RolloutWeightLoader"
 _DEAD = "rollout engine died: vLLM's engine process is gone (EngineDeadError)"
 
 
+def _rank(item: tuple[int, Any]) -> int:
+    """A (token id, vLLM Logprob) pair's rank (1: the most likely)."""
+    return item[1].rank
+
+
 @dataclass
 class SampleRecord:
     """One response as it streams in: parallel lists, one entry per response token. A
@@ -72,6 +77,9 @@ class SampleRecord:
     reward: float | None = None
     """Episodes: the summed turn rewards (the sequence score); None: left to the configured
     reward (an agent that returned None, rollout/agent_episodes.py)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """A turn asked for top log-probs (SamplingParams.logprobs > 0): per token, that many most
+    likely (id, log-prob), most likely first."""
 
 
 @dataclass
@@ -278,8 +286,12 @@ class AsyncRolloutEngine:
         await asyncio.gather(*(self._stream(prompt, p, r) for p, r in zip(params, records)))
         return records
 
-    async def _stream(self, prompt: list[int], params: Any, record: SampleRecord) -> None:
+    async def _stream(self, prompt: list[int], params: Any, record: SampleRecord,
+                      on_tokens: Callable[[list[int]], None] | None = None) -> None:
         request_id = f"rlhf-{uuid.uuid4().hex}"
+        top = params.logprobs or 0
+        if top:
+            record.top_logprobs = []
         async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id,
                                            lora_request=self.adapter.request):
             completion = out.outputs[0]
@@ -288,19 +300,28 @@ class AsyncRolloutEngine:
             record.tokens += new
             record.logprobs += [float(d[t].logprob) for d, t in zip(completion.logprobs, new)]
             record.versions += [version] * len(new)
+            if top:  # vLLM's dict holds the top `top` by rank, plus the sampled id if not
+                record.top_logprobs += [
+                    [(i, float(lp.logprob)) for i, lp in sorted(d.items(), key=_rank)[:top]]
+                    for d in completion.logprobs]
             if out.finished:
                 record.finish_reason = str(completion.finish_reason)
+            if new and on_tokens is not None:
+                on_tokens(new)
 
-    async def generate_turn(self, prompt: list[int], params: Any) -> SampleRecord:
+    async def generate_turn(self, prompt: list[int], params: Any,
+                            on_tokens: Callable[[list[int]], None] | None = None
+                            ) -> SampleRecord:
         """One request on the engine's loop (an episode's turn, rollout/async_episodes.py):
         vLLM's ids, behaviour log-probs and weight versions as they stream (DELTA outputs; a
-        refit pause freezes it like any other request). Await it from a coroutine run with
-        :meth:`run_coroutine`; other requests keep generating meanwhile."""
+        refit pause freezes it like any other request), each batch of new ids also handed to
+        ``on_tokens``. Await it from a coroutine run with :meth:`run_coroutine`; other requests
+        keep generating meanwhile."""
         record = SampleRecord()
         with self._cond:
             self._streaming.append(record)
         try:
-            await self._stream(prompt, params, record)
+            await self._stream(prompt, params, record, on_tokens)
         finally:
             with self._cond:
                 self._streaming = [s for s in self._streaming if s is not record]

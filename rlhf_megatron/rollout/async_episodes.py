@@ -18,38 +18,43 @@ from rlhf_megatron.environments.loader import load_agent, load_environment
 from rlhf_megatron.rollout.agent_episodes import AgentRunner
 from rlhf_megatron.rollout.async_engine import SampleRecord
 from rlhf_megatron.rollout.episodes import (
+    NO_OPTIONS,
     ChatFormat,
     Episode,
     EpisodeRunner,
     TurnGenerator,
+    TurnOptions,
     TurnOutput,
     episodes_to_batch,
 )
 from rlhf_megatron.rollout.vllm_engine import prompt_seed
 
 _TURN_SEED_STRIDE = 7919
+_CHOICE_SEED_STRIDE = 1_000_003
 
 
 def engine_turns(engine: Any, sampling: Any) -> TurnGenerator:
     """The TurnGenerator on an AsyncRolloutEngine (``engine``) with ``sampling`` (a
     SamplingSettings): turn t of the episode numbered i samples from seed + i * 100_003 +
-    t * 7919 (unseeded without a seed); vLLM's ids, log-probs and per-token weight versions."""
+    t * 7919, plus choice * 1_000_003 for choice > 0 of an ``n`` > 1 request (unseeded without a
+    seed); vLLM's ids, log-probs, per-token weight versions and, when asked, top log-probs."""
 
-    async def turn(e: Episode, max_tokens: int, stop: Sequence[str] = ()) -> TurnOutput:
+    async def turn(e: Episode, max_tokens: int, options: TurnOptions = NO_OPTIONS) -> TurnOutput:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = sampling
         seed = None if s.seed is None else (
-            s.seed + e.sample_index * 100_003 + e.turns * _TURN_SEED_STRIDE)
+            s.seed + e.sample_index * 100_003 + e.turns * _TURN_SEED_STRIDE
+            + options.choice * _CHOICE_SEED_STRIDE)
         params = SamplingParams(
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            max_tokens=max_tokens, logprobs=0, stop_token_ids=list(s.stop_token_ids),
-            stop=list(stop) or None,
+            max_tokens=max_tokens, logprobs=options.top_logprobs,
+            stop_token_ids=list(s.stop_token_ids), stop=list(options.stop) or None,
             seed=seed, output_kind=RequestOutputKind.DELTA)
-        record = await engine.generate_turn(list(e.ids), params)
+        record = await engine.generate_turn(list(e.ids), params, options.on_tokens)
         return TurnOutput(record.tokens, record.logprobs, str(record.finish_reason),
-                          record.versions)
+                          record.versions, record.top_logprobs)
 
     return turn
 

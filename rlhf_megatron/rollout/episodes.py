@@ -100,11 +100,31 @@ class TurnOutput:
     logprobs: list[float]
     finish_reason: str
     versions: list[int] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per generated id, the ``TurnOptions.top_logprobs`` most likely (id, log-prob), most likely
+    first (None unless asked for)."""
 
+
+@dataclass(frozen=True)
+class TurnOptions:
+    """What a turn's request may add to the run's sampling (the agent endpoint's requests).
+
+    stop: strings that end the turn. choice: the index of this sample among the ``n`` of one
+    request (its seed differs per choice; 0 is the seed an environment's turn uses).
+    top_logprobs: how many most likely tokens to report per position. on_tokens: called on the
+    generating loop with each batch of new ids as they stream (token-by-token replies)."""
+
+    stop: tuple[str, ...] = ()
+    choice: int = 0
+    top_logprobs: int = 0
+    on_tokens: Callable[[list[int]], None] | None = None
+
+
+NO_OPTIONS = TurnOptions()
 
 TurnGenerator = Callable[..., Awaitable[TurnOutput]]
-"""(episode, max_tokens, stop=()) -> the episode's next turn, generated after its ids so far
-(``stop``: strings that end the turn, the agent endpoint's ``stop``)."""
+"""(episode, max_tokens, options=NO_OPTIONS) -> the episode's next turn, generated after its ids
+so far (``options``: a TurnOptions)."""
 
 
 @dataclass
@@ -226,6 +246,20 @@ def record_turn(e: Episode, out: TurnOutput, tokenizer: Any) -> str:
     e.turns += 1
     e.last_generated = out.token_ids[-1] if out.token_ids else None
     return tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def unrecord_turn(e: Episode, out: TurnOutput) -> None:
+    """Undo :func:`record_turn` of ``out``, the episode's last turn (an ``n`` > 1 request whose
+    agent went on with another of the choices)."""
+    count = len(out.token_ids)
+    assert e.turns > 0 and e.ids[len(e.ids) - count:] == out.token_ids
+    for seq in (e.ids, e.loss_mask, e.logprobs):
+        del seq[len(seq) - count:]
+    if out.versions is not None:
+        del e.versions[len(e.ids):]
+    e.turns -= 1
+    e.last_generated = next((i for i, m in zip(reversed(e.ids), reversed(e.loss_mask)) if m),
+                            None)
 
 
 def checked_step(result: Any) -> StepResult:
