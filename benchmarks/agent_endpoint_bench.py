@@ -57,11 +57,11 @@ def _floor(chat, cfg, sessions: int, rounds: int) -> float:
 
     from rlhf_megatron.environments.loader import load_agent
     from rlhf_megatron.rollout.agent_episodes import AgentRunner
-    from rlhf_megatron.rollout.episodes import TurnOutput
+    from rlhf_megatron.rollout.episodes import NO_OPTIONS, TurnOutput
 
     ids = chat.encode("<answer> 59 </answer>") + [chat.tokenizer.eos_token_id]
 
-    async def instant(e, max_tokens, stop=()):
+    async def instant(e, max_tokens, options=NO_OPTIONS):
         return TurnOutput(ids, [-0.5] * len(ids), "stop")
 
     agent = load_agent(cfg.environment.agent.path)

@@ -209,7 +209,9 @@ class AgentEndpoint:
             outs = await asyncio.gather(*(self.turn(e, max_tokens, dataclasses.replace(
                 options, choice=j, on_tokens=None if deltas is None else deltas.sink(j)))
                 for j in range(n)))
-        except ValueError as exc:  # vLLM refuses the request (a prompt past max_model_len)
+        except Exception as exc:
+            if not _engine_refused(exc):
+                raise
             e.done = e.truncated = True
             raise SessionError(400, f"the engine refused the turn: {one_line(str(exc))}") from None
         s.state.generate_seconds += time.perf_counter() - start
@@ -367,3 +369,13 @@ def _stops(stop: Any) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _engine_refused(exc: Exception) -> bool:
+    """vLLM refused the request itself (a prompt past ``max_model_len``): its client errors
+    (``VLLMClientError``, which is not a ValueError) and the ValueError of its older checks."""
+    if isinstance(exc, ValueError):
+        return True
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, VLLMClientError)

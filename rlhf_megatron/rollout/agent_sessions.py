@@ -146,6 +146,7 @@ class SessionTokens:
             prompt = self.chat.prompt_ids(messages, tools)
             s.episode = Episode.opened(s.index, prompt, s.state)
             return
+        self._check_not_over(s)
         last = last_assistant(messages)
         if last is None:
             raise SessionError(400, f"session {s.sid} has turns but the messages hold no "
@@ -168,6 +169,7 @@ class SessionTokens:
         if s.text is None:
             raise SessionError(409, f"session {s.sid} was opened with /v1/chat/completions; "
                                     "continue it there")
+        self._check_not_over(s)
         taken = self.take_choice(s, prompt.startswith, longest_first=True)
         if taken is not None:
             s.text = taken
@@ -220,11 +222,15 @@ class SessionTokens:
         e.loss_mask += [0] * len(ids)
         e.logprobs += [0.0] * len(ids)
 
+    def _check_not_over(self, s: AgentSession) -> None:
+        if s.episode.done:
+            raise SessionError(400, f"session {s.sid}: the episode is over (a limit was reached "
+                                    "or the engine refused a turn)")
+
     def budget(self, s: AgentSession, requested: int | None) -> int:
         """max_tokens of the next turn: the request's, capped by the turn and episode limits."""
-        if s.episode.done:
-            raise SessionError(400, f"session {s.sid}: the episode is over")
-        left = turn_budget(s.episode, self.cfg)
+        self._check_not_over(s)
         if requested is not None and requested < 1:
             raise SessionError(400, f"max_tokens={requested}: expected an integer >= 1")
+        left = turn_budget(s.episode, self.cfg)
         return left if requested is None else min(requested, left)

@@ -58,11 +58,45 @@ async def spanning(base_url, api_key, sample):
                          {"role": "user", "content": "result 3"}]
     return 1.0
 
+async def choices(base_url, api_key):
+    """n=2 with top log-probs, then on with choice 1, streamed."""
+    seen = LOG.setdefault("choice_log", {})
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "choose"}]
+    async with client:
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, n=2, max_tokens=12, logprobs=True,
+            top_logprobs=3)
+        seen["logprobs"] = [[(x.logprob, [t.logprob for t in x.top_logprobs])
+                             for x in c.logprobs.content] for c in reply.choices]
+        messages += [reply.choices[1].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "result 1"}]
+        stream = await client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=12, stream=True)
+        seen["pieces"] = [c.choices[0].delta.content async for c in stream
+                          if c.choices and c.choices[0].delta.content]
+    return 1.0
+
+async def too_long(base_url, api_key):
+    """A first request whose prompt is past the engine's max_model_len: refused by vLLM."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    async with client:
+        try:
+            await client.chat.completions.create(model="policy", max_tokens=4, messages=[
+                {"role": "user", "content": " ".join(["hello world"] * 300)}])
+        except openai.BadRequestError as exc:
+            LOG.setdefault("choice_log", {})["too_long"] = (exc.status_code, exc.body)
+    return 1.0
+
 async def bad_requests(base_url, api_key, sample):
     if sample["prompt"] == "crash":
         raise RuntimeError("the agent's own bug")
     if sample["prompt"] == "hang":
         await asyncio.sleep(3600)
+    if sample["prompt"] == "choices":
+        return await choices(base_url, api_key)
+    if sample["prompt"] == "too_long":
+        return await too_long(base_url, api_key)
     url = base_url + "/chat/completions"
     good = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     auth = {"Authorization": "Bearer " + api_key}
@@ -76,7 +110,7 @@ async def bad_requests(base_url, api_key, sample):
         await post("unknown_session", url.replace("/sessions/", "/sessions/x"), good)
         await post("malformed", url, "{not json")
         await post("no_messages", url, {"model": "policy"})
-        await post("n2", url, {**good, "n": 2})
+        await post("n17", url, {**good, "n": 17})
         await post("temperature", url, {**good, "temperature": 0.3})
         async with http.post(url, headers=auth, json={**good, "stream": True}) as r:
             seen["stream"] = (r.status, (await r.text()).splitlines())
@@ -110,7 +144,7 @@ def agent_endpoint_checks(engine: Any, hf_dir: str, work_dir: str, weights: dict
     from rlhf_megatron.rollout import SamplingSettings
     from rlhf_megatron.rollout.agent_episodes import AgentRunner
     from rlhf_megatron.rollout.async_episodes import engine_turns
-    from rlhf_megatron.rollout.episodes import ChatFormat
+    from rlhf_megatron.rollout.episodes import NO_OPTIONS, ChatFormat
     from rlhf_megatron.testing.episodes import checked_against_hf
 
     agent_file = Path(work_dir) / "agents.py"
@@ -125,16 +159,20 @@ def agent_endpoint_checks(engine: Any, hf_dir: str, work_dir: str, weights: dict
         cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=timeout),
                                 max_turns=4, max_tokens_per_turn=12, max_tokens_per_episode=120)
         turns: list[tuple[int, list[int]]] = []
+        choice_ids: dict[int, list[int]] = {}  # the "choices" episode's first request
 
-        async def recording(e, max_tokens, stop=(), turns=turns):
-            result = await generate(e, max_tokens, stop)
-            turns.append((e.sample_index, list(result.token_ids)))
+        async def recording(e, max_tokens, options=NO_OPTIONS, turns=turns, ids=choice_ids):
+            result = await generate(e, max_tokens, options)
+            if options.choice == 0:
+                turns.append((e.sample_index, list(result.token_ids)))
+            if e.turns == 0:
+                ids[options.choice] = list(result.token_ids)
             return result
 
         agent = load_agent(spec)
         runner = AgentRunner(agent, cfg, ChatFormat(tok), recording, sampling)
         prompts = ([f"question {i}" for i in range(count)] if name != "bad_requests"
-                   else ["crash", "hang", "bad"])
+                   else ["crash", "hang", "bad", "choices", "too_long"])
         episodes = engine.run_coroutine(runner.run_async([{"prompt": p} for p in prompts]))
         log = agent.__globals__["LOG"]
         out[name] = {**checked_against_hf(episodes, turns, tok, hf_dir, weights),
@@ -143,7 +181,9 @@ def agent_endpoint_checks(engine: Any, hf_dir: str, work_dir: str, weights: dict
                      "returned_logprobs": [sum(log.get(p, []), []) for p in prompts],
                      "kept_logprobs": [[lp for lp, m in zip(e.logprobs, e.loss_mask) if m]
                                        for e in episodes],
-                     "statuses": dict(log.get("statuses", {}))}
+                     "kept_ids": [[i for i, m in zip(e.ids, e.loss_mask) if m] for e in episodes],
+                     "statuses": dict(log.get("statuses", {})),
+                     "choices": {**log.get("choice_log", {}), "ids": dict(choice_ids)}}
     out["spanning"] = _spanning_a_refit(engine, tok, agent_file, sampling, weights)
     return out
 
@@ -208,11 +248,25 @@ def assert_agent_endpoint(out: dict) -> None:
     assert honest["agent_metrics"]["agent/token_mismatches"] >= 1, honest["agent_metrics"]
     assert altering["agent_metrics"]["agent/text_mismatches"] == 4 * 2, altering["agent_metrics"]
     m = bad["agent_metrics"]
-    assert m["agent/failed_frac"] == 2 / 3 and bad["rewards"][:2] == [0.0, 0.0], bad
-    assert bad["rewards"][2] == 1.0, bad
+    assert m["agent/failed_frac"] == 2 / 5 and bad["rewards"][:2] == [0.0, 0.0], bad
+    assert bad["rewards"][2:] == [1.0, 1.0, 1.0] and bad["truncated"][4], bad
+    # The session went on with choice 1 of its n=2 request: those ids and log-probs are what
+    # the episode keeps (the log-probs equal HF's over all these episodes, within 1e-4).
+    assert bad["lp_diff"] < 1e-4 and m["agent/choices_taken"] == 1, bad
+    picked = bad["choices"]
+    first, second = picked["ids"][0], picked["ids"][1]
+    assert first != second, picked  # each choice its own seed
+    assert bad["kept_ids"][3][:len(second)] == second, (bad["kept_ids"][3], second)
+    for lps in picked["logprobs"]:  # vLLM's top 3, most likely first, the sampled one below
+        for lp, top in lps:
+            assert len(top) == 3 and top == sorted(top, reverse=True) and lp <= top[0] + 1e-6
+    assert len(picked["pieces"]) >= 2, picked["pieces"]  # streamed in pieces
+    status, body = picked["too_long"]
+    message = body.get("message") or body["error"]["message"]
+    assert status == 400 and "maximum context length is 256" in message and "\n" not in message, body
     statuses = bad["statuses"]
     expected = {"wrong_key": 401, "unknown_session": 404, "malformed": 400, "no_messages": 400,
-                "n2": 400, "temperature": 400}
+                "n17": 400, "temperature": 400}
     for name, status in expected.items():
         got, body = statuses[name]
         assert got == status, (name, statuses[name])

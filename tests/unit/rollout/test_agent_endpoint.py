@@ -144,3 +144,154 @@ def test_a_streamed_turn_arrives_token_by_token_and_stops_at_a_stop_string(chat,
     assert [e.turns for e in episodes] == [2, 2] and metrics["agent/failed_frac"] == 0
     assert metrics["agent/text_mismatches"] == 0
     assert [e.env.token_mismatches for e in episodes] == [0, 1]
+
+
+CHOOSING_AGENT = '''
+import aiohttp
+import openai
+
+SEEN = {}
+
+async def agent(base_url, api_key, sample):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    async with client:
+        if sample["api"] == "chat":
+            messages = [{"role": "user", "content": sample["prompt"]}]
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, n=3, logprobs=True, top_logprobs=1)
+            texts = [c.message.content for c in reply.choices]
+            chosen = reply.choices[sample["take"]].message
+            again = await client.chat.completions.create(model="policy", messages=messages + [
+                chosen.model_dump(exclude_none=True), {"role": "user", "content": "2"}])
+        else:
+            reply = await client.completions.create(
+                model="policy", prompt=sample["prompt"], n=2, logprobs=2, max_tokens=8)
+            texts = [c.text for c in reply.choices]
+            SEEN["top"] = reply.choices[0].logprobs.top_logprobs[0]
+            chosen = sample["prompt"] + texts[sample["take"]]
+            again = await client.completions.create(model="policy", prompt=chosen + " <user> 2",
+                                                    max_tokens=8)
+    SEEN[sample["api"]] = {"texts": texts, "indexes": [c.index for c in reply.choices],
+                           "usage": reply.usage.completion_tokens}
+    return 1.0
+'''
+
+
+def test_n_choices_and_the_episode_goes_on_with_the_choice_sent_back(chat, tmp_path):
+    """A chat request with n=3 and a completion with n=2: each choice is its own sample (seeded
+    apart: the scripted policy says choice j's text), the usage counts all of them, and the
+    episode's generated ids are the choice the agent went on with (not choice 0), with no
+    mismatch counted."""
+    policy = ScriptedPolicy(chat, lambda turn, choice: f"<answer> {50 + choice} </answer>"
+                            if turn == 0 else "<answer> 7 </answer>")
+    samples = [{"api": "chat", "prompt": "7 * 8 + 3", "take": 2},
+               {"api": "text", "prompt": "<user> 7 * 8 + 3 <eos> <assistant>", "take": 1}]
+    episodes, metrics, g = run_agent(chat, policy, CHOOSING_AGENT, samples, tmp_path)
+    seen = g["SEEN"]
+    assert [t.split() for t in seen["chat"]["texts"]] == \
+        [["<answer>", str(50 + j), "</answer>"] for j in range(3)]
+    assert seen["chat"]["indexes"] == [0, 1, 2] and seen["chat"]["usage"] == 3 * 4
+    assert [t.split()[1] for t in seen["text"]["texts"]] == ["50", "51"]
+    assert list(seen["top"].values()) == [-0.25, -1.5]
+    for e, taken in zip(episodes, ("52", "51"), strict=True):
+        generated = [i for i, m in zip(e.ids, e.loss_mask, strict=True) if m]
+        assert chat.tokenizer.decode(generated, skip_special_tokens=True).split() == \
+            ["<answer>", taken, "</answer>", "<answer>", "7", "</answer>"]
+        assert e.turns == 2 and e.ids[:e.prompt_len] == chat.encode(
+            "<user> 7 * 8 + 3 <eos> <assistant>")
+    assert metrics["agent/choices_taken"] == 2
+    assert metrics["agent/text_mismatches"] == metrics["agent/token_mismatches"] == 0
+
+
+HTTP_AGENT = '''
+import asyncio
+import json
+
+import aiohttp
+
+SEEN = {}
+
+async def agent(base_url, api_key, sample):
+    root = base_url.split("/sessions/")[0] + "/v1"
+    sid = base_url.split("/sessions/")[1].split("/")[0]
+    auth = {"Authorization": "Bearer " + api_key}
+    hi = {"model": "policy", "messages": [{"role": "user", "content": "7 * 8 + 3"}]}
+    seen = SEEN.setdefault(sample["case"], {})
+    async with aiohttp.ClientSession() as http:
+        async def post(name, url, body, headers=auth):
+            async with http.post(url, json=body, headers=headers) as r:
+                seen[name] = (r.status, await r.json())
+        if sample["case"] == "refusals":
+            await post("no_session", root + "/chat/completions", hi)
+            await post("unknown_header", root + "/chat/completions", hi,
+                       {**auth, "X-Session-Id": "nobody"})
+            await post("top_p_other", base_url + "/chat/completions", {**hi, "top_p": 0.5})
+            await post("n_0", base_url + "/chat/completions", {**hi, "n": 0})
+            await post("n_17", base_url + "/chat/completions", {**hi, "n": 17})
+            await post("top_21", base_url + "/chat/completions",
+                       {**hi, "logprobs": True, "top_logprobs": 21})
+            await post("echo", base_url + "/completions",
+                       {"model": "policy", "prompt": "<user> 1", "echo": True})
+            too_long = " ".join(["7"] * 40)
+            await post("too_long", base_url + "/chat/completions",
+                       {**hi, "messages": [{"role": "user", "content": too_long}]})
+            await post("after_refusal", base_url + "/chat/completions", hi)
+        elif sample["case"] == "header":
+            await post("header", root + "/chat/completions", {**hi, "top_p": 0.9},
+                       {**auth, "X-Session-Id": sid})
+        elif sample["case"] == "completions":
+            body = {"model": "policy", "prompt": "<user> 7 * 8 + 3 <eos> <assistant>",
+                    "stream": True, "stop": "</answer>"}
+            async with http.post(base_url + "/completions", json=body, headers=auth) as r:
+                lines = (await r.text()).splitlines()
+            chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            seen["stream"] = (r.status, "".join(c["choices"][0]["text"] for c in chunks
+                                                if c["choices"]), lines[-2:])
+        elif sample["case"] == "dropped":  # read the first content chunk, then go away
+            body = {**hi, "stream": True}
+            async with http.post(base_url + "/chat/completions", json=body,
+                                 headers=auth) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        seen["first"] = json.loads(line[6:])
+                        break
+            await asyncio.sleep(0.5)  # the turn finishes without its client
+            await post("retry", base_url + "/chat/completions", hi)
+    return 1.0
+'''
+
+
+def test_the_http_surface_header_sessions_completions_refusals_and_a_dropped_stream(
+        chat, tmp_path):
+    """Over raw HTTP: the X-Session-Id header names a session on /v1; top_p equal to the
+    run's is served; a streamed /v1/completions with a stop string; one-line 4xx refusals
+    (no or unknown session, another top_p, n out of range, too many top log-probs, echo, a
+    prompt the engine refuses), after which the session is over and the endpoint serves on;
+    a client that reads one chunk of a stream and goes away leaves the turn to finish, and
+    its retry gets that turn (a replay), generated once."""
+    policy = ScriptedPolicy(chat, lambda turn, choice: "<answer> 59 </answer> 1 2 3",
+                            pause_after=None)
+    policy.refuse_longer_than = 30
+    samples = [{"case": c} for c in ("refusals", "header", "completions", "dropped")]
+    episodes, metrics, g = run_agent(chat, policy, HTTP_AGENT, samples, tmp_path)
+    refusals = g["SEEN"]["refusals"]
+    expected = {"no_session": 400, "unknown_header": 404, "top_p_other": 400, "n_0": 400,
+                "n_17": 400, "top_21": 400, "echo": 400, "too_long": 400, "after_refusal": 400}
+    assert {name: status for name, (status, _) in refusals.items()} == expected, refusals
+    for status, body in refusals.values():
+        assert "\n" not in body["error"]["message"] and body["error"]["code"] == status
+    assert "maximum model length" in refusals["too_long"][1]["error"]["message"]
+    assert "over" in refusals["after_refusal"][1]["error"]["message"]
+    status, body = g["SEEN"]["header"]["header"]
+    assert status == 200 and body["choices"][0]["message"]["content"].split()[1] == "59"
+    status, text, tail = g["SEEN"]["completions"]["stream"]
+    assert status == 200 and text.split() == ["<answer>", "59"] and tail == ["data: [DONE]", ""]
+    dropped = g["SEEN"]["dropped"]
+    assert dropped["first"]["choices"][0]["delta"]["role"] == "assistant"
+    status, body = dropped["retry"]
+    assert status == 200 and body["choices"][0]["message"]["content"].split()[:2] == \
+        ["<answer>", "59"]
+    e = episodes[3]
+    assert e.turns == 1 and e.env.replays == 1 and e.env.http_errors >= 1
+    assert [e.truncated for e in episodes] == [True, False, False, False]
+    assert metrics["agent/failed_frac"] == 0

@@ -19,7 +19,7 @@ from rlhf_megatron.errors import ConfigError
 from rlhf_megatron.rollout.agent_episodes import AgentRunner
 from rlhf_megatron.rollout.agent_sessions import AgentSession, SessionError, SessionTokens
 from rlhf_megatron.rollout.agent_tools import parse_tag_calls
-from rlhf_megatron.rollout.episodes import ChatFormat, TurnOutput, record_turn
+from rlhf_megatron.rollout.episodes import NO_OPTIONS, ChatFormat, TurnOutput, record_turn
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "parameters": {
@@ -148,7 +148,7 @@ def test_an_agents_sdk_agent_runs_its_react_loop_through_the_endpoint(chat):
 
     script = ["<python> print( 7 * 8 + 3 ) </python>", "<answer> 59 </answer>"]
 
-    async def scripted(e, max_tokens, stop=()):
+    async def scripted(e, max_tokens, options=NO_OPTIONS):
         ids = chat.encode(script[min(e.turns, 1)]) + [chat.tokenizer.eos_token_id]
         return TurnOutput(ids, [-0.5] * len(ids), "stop")
 
@@ -226,7 +226,7 @@ def test_64_sessions_and_a_dropped_connection_end_cleanly(chat, tmp_path):
 
     started, dropped = threading.Event(), threading.Event()
 
-    async def scripted(e, max_tokens, stop=()):
+    async def scripted(e, max_tokens, options=NO_OPTIONS):
         if e.sample_index == 0 and e.turns == 0:  # the turn outlives its dropped connection
             started.set()
             for _ in range(3000):
