@@ -13,8 +13,8 @@ Request bodies are validated with vLLM's own OpenAI protocol models (``ChatCompl
 ``CompletionRequest``). A request is one turn of its session (rollout/agent_sessions.py), one at a
 time per session. Refused, each as a one-line JSON ``{"error": {"message", "type", "code"}}``:
 a wrong key (401), an unknown or finished session (404, 410), a malformed body (400), ``n`` or
-``top_logprobs`` out of range, a ``temperature`` or ``top_p`` other than the run's (the
-trainer's log-probs are of the run's sampling), a prompt the engine refuses (past its
+``top_logprobs`` out of range, a ``temperature`` or ``top_p`` other than the run's or a
+``tool_choice`` that forces a call (the trainer's log-probs are of the run's own sampling), a prompt the engine refuses (past its
 ``max_model_len``) or a turn past the episode's limits (400).
 
 ``n`` > 1 generates that many choices of the turn from the same ids (seeds differ per choice).
@@ -226,6 +226,11 @@ class AgentEndpoint:
         body, req = await self._body(request, ChatCompletionRequest)
         n, top = self._choices(req)
         tools = body.get("tools") or None
+        if req.tool_choice not in (None, "auto", "none"):
+            forced = getattr(getattr(req.tool_choice, "function", None), "name", req.tool_choice)
+            raise SessionError(400, f"tool_choice={forced!r}: forcing a tool call would constrain "
+                                    "sampling, and the trainer learns from the policy's own "
+                                    "samples: send 'auto' or 'none'")
         messages = plain_messages(req.messages)
         parsed = bool(tools) and req.tool_choice != "none" and self.parser.parser_cls is not None
         deltas = TurnDeltas(n) if req.stream and not parsed else None

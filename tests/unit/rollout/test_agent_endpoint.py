@@ -230,6 +230,12 @@ async def agent(base_url, api_key, sample):
             await post("n_17", base_url + "/chat/completions", {**hi, "n": 17})
             await post("top_21", base_url + "/chat/completions",
                        {**hi, "logprobs": True, "top_logprobs": 21})
+            tool = {"type": "function", "function": {"name": "python", "parameters": {
+                "type": "object", "properties": {"code": {"type": "string"}}}}}
+            await post("required", base_url + "/chat/completions",
+                       {**hi, "tools": [tool], "tool_choice": "required"})
+            await post("named", base_url + "/chat/completions", {**hi, "tools": [tool],
+                       "tool_choice": {"type": "function", "function": {"name": "python"}}})
             await post("echo", base_url + "/completions",
                        {"model": "policy", "prompt": "<user> 1", "echo": True})
             too_long = " ".join(["7"] * 40)
@@ -265,8 +271,8 @@ def test_the_http_surface_header_sessions_completions_refusals_and_a_dropped_str
         chat, tmp_path):
     """Over raw HTTP: the X-Session-Id header names a session on /v1; top_p equal to the
     run's is served; a streamed /v1/completions with a stop string; one-line 4xx refusals
-    (no or unknown session, another top_p, n out of range, too many top log-probs, echo, a
-    prompt the engine refuses), after which the session is over and the endpoint serves on;
+    (no or unknown session, another top_p, n out of range, too many top log-probs, a forced
+    tool_choice, echo, a prompt the engine refuses), after which the session is over and the endpoint serves on;
     a client that reads one chunk of a stream and goes away leaves the turn to finish, and
     its retry gets that turn (a replay), generated once."""
     policy = ScriptedPolicy(chat, lambda turn, choice: "<answer> 59 </answer> 1 2 3",
@@ -276,12 +282,14 @@ def test_the_http_surface_header_sessions_completions_refusals_and_a_dropped_str
     episodes, metrics, g = run_agent(chat, policy, HTTP_AGENT, samples, tmp_path)
     refusals = g["SEEN"]["refusals"]
     expected = {"no_session": 400, "unknown_header": 404, "top_p_other": 400, "n_0": 400,
-                "n_17": 400, "top_21": 400, "echo": 400, "too_long": 400, "after_refusal": 400}
+                "n_17": 400, "top_21": 400, "required": 400, "named": 400, "echo": 400,
+                "too_long": 400, "after_refusal": 400}
     assert {name: status for name, (status, _) in refusals.items()} == expected, refusals
     for status, body in refusals.values():
         assert "\n" not in body["error"]["message"] and body["error"]["code"] == status
     assert "maximum model length" in refusals["too_long"][1]["error"]["message"]
     assert "over" in refusals["after_refusal"][1]["error"]["message"]
+    assert "'python'" in refusals["named"][1]["error"]["message"]
     status, body = g["SEEN"]["header"]["header"]
     assert status == 200 and body["choices"][0]["message"]["content"].split()[1] == "59"
     status, text, tail = g["SEEN"]["completions"]["stream"]
