@@ -111,9 +111,11 @@ ENGINE_RESUME = (
 )
 # The critic's values and the reward model's scores against TP1 (test_critic_reward).
 CRITIC = Cases(("Qwen2ForCausalLM",), (Layout(tp=2), Layout(pp=2)), ranks=2)
-# Routing replay and the router metrics of a MoE actor (test_moe_replay).
-MOE_REPLAY = Cases(("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"), (Layout(pp=2), Layout(ep=2)),
-                   ranks=2)
+# Routing replay and the router metrics of a MoE actor (test_moe_replay), for each router kind:
+# softmax top-k (Qwen3-MoE), sigmoid with expert bias and groups (GLM-4.5; DeepSeek-V3, under
+# multi-latent attention), softmax over the top-k of a biased linear (gpt-oss).
+MOE_REPLAY = Cases(("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
+                    "GptOssForCausalLM"), (Layout(pp=2), Layout(ep=2)), ranks=2)
 # MoE logits against HF, gradients against TP1/PP1/EP1, and which experts each rank reads, at
 # every layout of 4 ranks with TP, PP and EP (test_moe_parity). gpt-oss's biased experts are
 # refused at TP > 1 (Megatron-Core 0.16 allows MoE biases at expert-TP 1 only: models/gpt_oss.py).

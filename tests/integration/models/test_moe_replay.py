@@ -1,11 +1,13 @@
 """Training-side routing replay and the router's metrics on a tiny Qwen3-MoE (4 experts, top-2,
-4 MoE layers) and a tiny GLM-4.5 (sigmoid router with expert bias, 2 expert groups, routed scaling;
-layer 0 dense), at PP2 and at EP2 (one 2-rank gloo job for both):
+4 MoE layers), a tiny GLM-4.5 (sigmoid router with expert bias, 2 expert groups, routed scaling;
+layer 0 dense), a tiny DeepSeek-V3 (the same router under multi-latent attention) and a tiny
+gpt-oss (softmax over the top-k of a biased router linear), at PP2 and at EP2 (one 2-rank gloo
+job for all):
 
 - the old-log-prob forward records each token's experts (`routed_experts`, combined over the
   pipeline stages): equal to the top-k of HF's own router logits, computed here by hand;
-  for GLM-4.5 equal to the experts HF's own `Glm4MoeTopkRouter` chose (read off its forward);
-- `moe/aux_loss` (Qwen3-MoE; GLM-4.5 has no load-balancing loss) equals the switch-transformer loss E * sum_e f_e P_e computed by hand from HF's
+  for the others equal to the experts HF's own router chose (read off its forward);
+- `moe/aux_loss` (Qwen3-MoE; the others train without a load-balancing loss) equals the switch-transformer loss E * sum_e f_e P_e computed by hand from HF's
   router logits (summed over layers, averaged over micro-batches);
 - with replay on, the update pass routes exactly as recorded (`moe/routing_mismatch` 0) even after
   a large step has moved the router (`moe/routing_drift` > 0: it would have chosen otherwise);
@@ -68,7 +70,9 @@ def _hf_router_choices(hf_dir: str, batch) -> torch.Tensor:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     chosen: list[torch.Tensor] = []
-    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    routers = [getattr(layer.mlp, "gate", None) or layer.mlp.router
+               for layer in model.model.layers
+               if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")]
     hooks = [r.register_forward_hook(lambda m, i, out: chosen.append(out[2])) for r in routers]
     with torch.no_grad():
         model(input_ids=batch.input_ids)
@@ -91,7 +95,7 @@ def _replay_job(hf_dir: str) -> list[dict]:
 
     batch = _batch()
     results = []
-    aux = AUX_COEFF if "Qwen3Moe" in hf_dir else 0.0  # GLM-4.5 trains without one
+    aux = AUX_COEFF if "Qwen3Moe" in hf_dir else 0.0  # the others train without one
     for layout in MOE_REPLAY.layouts:
         dims = layout.dims(dist.get_world_size())
         initialize_layout(dims)
@@ -119,8 +123,8 @@ def test_routing_replay_and_router_metrics(tmp_path):
     qwen = dirs["Qwen3MoeForCausalLM"]
     expected_topk, expected_aux = _hand_computed(qwen, batch)
     assert torch.equal(_hf_router_choices(qwen, batch), expected_topk)  # the two readings agree
-    expected = {qwen: expected_topk, dirs["Glm4MoeForCausalLM"]:
-                _hf_router_choices(dirs["Glm4MoeForCausalLM"], batch)}
+    expected = {d: expected_topk if d == qwen else _hf_router_choices(d, batch)
+                for d in dirs.values()}
     per_rank = run_on_ranks(_replay_all, 2, (list(dirs.values()),), timeout_s=600)
     for rank_results in per_rank:
         for hf_dir, result in ((d, r) for d, rs in rank_results.items() for r in rs):
