@@ -29,12 +29,21 @@ class AgentConfig:
     tool_parser: str | None = None
     """A vLLM tool parser name (``hermes``, ``qwen3_xml``, ...) for a chat template with a tool
     format; None: the tag format (``<python>code</python>`` for a tool ``python(code)``)."""
+    processes: int = 0
+    """0: agents run on an event loop in a thread of the rollout engine's process; N > 0: in N
+    processes of their own, started once and kept for the run (rollout/agent_processes.py): the
+    agents' CPU off the engine's GIL, and an agent that kills its interpreter ends only the
+    episodes of its process."""
 
     def validate(self) -> None:
         if isinstance(self.timeout_seconds, bool) or not isinstance(
                 self.timeout_seconds, (int, float)) or self.timeout_seconds <= 0:
             raise ConfigError(f"environment.agent.timeout_seconds={self.timeout_seconds!r}: "
                               "expected a number > 0")
+        if isinstance(self.processes, bool) or not isinstance(self.processes, int) or \
+                not 0 <= self.processes <= 64:
+            raise ConfigError(f"environment.agent.processes={self.processes!r}: expected an "
+                              "integer from 0 (a thread of the engine's process) to 64")
         if self.path is not None:
             load_agent(self.path)
         known = vllm_tool_parser_names() if self.tool_parser is not None else set()

@@ -30,6 +30,7 @@ from typing import Any
 from rlhf_megatron.environments.config import EnvironmentConfig
 from rlhf_megatron.rewards.errors import one_line
 from rlhf_megatron.rollout.agent_endpoint import AgentEndpoint
+from rlhf_megatron.rollout.agent_processes import AgentFailed, agent_pool
 from rlhf_megatron.rollout.agent_sessions import AgentEpisodeState, AgentSession
 from rlhf_megatron.rollout.episodes import (
     ChatFormat,
@@ -52,6 +53,11 @@ class AgentLoop:
 
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def starter(self, agent_fn: Callable, kwargs: dict[str, Any]) -> Callable:
+        """``(base_url, api_key, sample) -> Future`` of the agent's result on this loop."""
+        return lambda base_url, api_key, sample: self.submit(
+            agent_fn(base_url, api_key, sample, **kwargs))
 
     def close(self) -> None:
         """Cancel what still runs, then stop the loop (an agent stuck in blocking code keeps the
@@ -96,25 +102,29 @@ class AgentRunner(EpisodeRunner):
             sessions[sid] = AgentSession(sid, i, dict(sample))
         endpoint = AgentEndpoint(self.chat, self.cfg, self.turn, self.sampling, sessions)
         await endpoint.start()
-        agents = AgentLoop()
+        spec = self.cfg.agent
+        pool = agent_pool(spec.path, spec.kwargs, spec.processes) if spec.processes else None
+        agents = AgentLoop() if pool is None else None
+        start = pool.submit if pool is not None else agents.starter(self.agent_fn, spec.kwargs)
         try:
-            results = await asyncio.gather(*(self._drive(agents, endpoint, s)
+            results = await asyncio.gather(*(self._drive(start, endpoint, s)
                                              for s in sessions.values()))
         finally:
             for s in sessions.values():
                 s.closed = True
             await endpoint.stop()
-            agents.close()
+            if agents is not None:
+                agents.close()
         self.endpoint_errors = endpoint.http_errors
         return [self._finish(s, r) for s, r in zip(sessions.values(), results, strict=True)]
 
-    async def _drive(self, agents: AgentLoop, endpoint: AgentEndpoint,
-                     s: AgentSession) -> Any:
-        """The agent's result for session ``s``, or the exception that ended it."""
+    async def _drive(self, start: Callable, endpoint: AgentEndpoint, s: AgentSession) -> Any:
+        """The agent's result for session ``s`` (``start``: (base_url, api_key, sample) -> the
+        future of the agent's result, in a thread or a process), or the exception that ended
+        it."""
         limit = self.cfg.agent.timeout_seconds
-        future = agents.submit(self.agent_fn(endpoint.base_url(s.sid), endpoint.api_key,
-                                             dict(s.sample), **self.cfg.agent.kwargs))
-        try:
+        future = start(endpoint.base_url(s.sid), endpoint.api_key, dict(s.sample))
+        try:  # on timeout, wait_for cancels the future: the agent's task is cancelled
             return await asyncio.wait_for(asyncio.wrap_future(future), limit)
         except TimeoutError:
             return TimeoutError(f"ran past environment.agent.timeout_seconds={limit}")
@@ -127,7 +137,9 @@ class AgentRunner(EpisodeRunner):
         generated = s.episode is not None
         e = s.episode if generated else self._unopened(s)
         e.done = True
-        if isinstance(result, BaseException):
+        if isinstance(result, AgentFailed):  # in its process: the reason as it was sent
+            s.state.error = str(result)
+        elif isinstance(result, BaseException):
             s.state.error = f"{type(result).__name__}: {one_line(str(result))}"
         elif result is None:  # the configured reward scores it (controller/phases.py)
             e.scored = not generated  # nothing generated: nothing to score, reward 0
