@@ -26,6 +26,7 @@ import multiprocessing
 import threading
 from typing import Any
 
+from rlhf_megatron.environments.loader import load_agent
 from rlhf_megatron.rewards.errors import one_line
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,6 @@ def _process_main(conn: Any, spec: str, kwargs: dict[str, Any]) -> None:
     """A pool process: run ``("run", job, base_url, api_key, sample)`` messages as tasks of one
     event loop, answer ``(job, kind, value)``, cancel on ``("cancel", job)``; exit on
     ``("stop",)`` or when the pipe closes (its owner died)."""
-    from rlhf_megatron.environments.loader import load_agent
-
     agent = load_agent(spec)
     loop = asyncio.new_event_loop()
     tasks: dict[int, asyncio.Task] = {}
