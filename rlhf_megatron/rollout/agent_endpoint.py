@@ -14,8 +14,8 @@ Request bodies are validated with vLLM's own OpenAI protocol models (``ChatCompl
 time per session. Refused, each as a one-line JSON ``{"error": {"message", "type", "code"}}``:
 a wrong key (401), an unknown or finished session (404, 410), a malformed body (400), ``n`` or
 ``top_logprobs`` out of range, a ``temperature`` or ``top_p`` other than the run's or a
-``tool_choice`` that forces a call (the trainer's log-probs are of the run's own sampling), a prompt the engine refuses (past its
-``max_model_len``) or a turn past the episode's limits (400).
+``tool_choice`` that forces a call (the trainer's log-probs are of the run's own sampling), a
+prompt the engine refuses (past its ``max_model_len``) or a turn past the episode's limits (400).
 
 ``n`` > 1 generates that many choices of the turn from the same ids (seeds differ per choice).
 The session records choice 0 as its turn and switches to another choice when the agent sends

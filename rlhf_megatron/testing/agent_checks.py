@@ -263,7 +263,8 @@ def assert_agent_endpoint(out: dict) -> None:
     assert len(picked["pieces"]) >= 2, picked["pieces"]  # streamed in pieces
     status, body = picked["too_long"]
     message = body.get("message") or body["error"]["message"]
-    assert status == 400 and "maximum context length is 256" in message and "\n" not in message, body
+    assert status == 400 and "\n" not in message, body
+    assert "maximum context length is 256" in message, body
     statuses = bad["statuses"]
     expected = {"wrong_key": 401, "unknown_session": 404, "malformed": 400, "no_messages": 400,
                 "n17": 400, "temperature": 400}

@@ -272,7 +272,8 @@ def test_the_http_surface_header_sessions_completions_refusals_and_a_dropped_str
     """Over raw HTTP: the X-Session-Id header names a session on /v1; top_p equal to the
     run's is served; a streamed /v1/completions with a stop string; one-line 4xx refusals
     (no or unknown session, another top_p, n out of range, too many top log-probs, a forced
-    tool_choice, echo, a prompt the engine refuses), after which the session is over and the endpoint serves on;
+    tool_choice, echo, a prompt the engine refuses), after which the session is over and the
+    endpoint serves on;
     a client that reads one chunk of a stream and goes away leaves the turn to finish, and
     its retry gets that turn (a replay), generated once."""
     policy = ScriptedPolicy(chat, lambda turn, choice: "<answer> 59 </answer> 1 2 3",
