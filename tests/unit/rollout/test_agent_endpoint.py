@@ -304,3 +304,80 @@ def test_the_http_surface_header_sessions_completions_refusals_and_a_dropped_str
     assert e.turns == 1 and e.env.replays == 1 and e.env.http_errors >= 1
     assert [e.truncated for e in episodes] == [True, False, False, False]
     assert metrics["agent/failed_frac"] == 0
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|eos|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.tool_calls %}{{ m.content or '' }}"
+    "{%- for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    "{%- else %}{{ m.content }}{% endif %}<|eos|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+HERMES_AGENT = '''
+import json
+
+import openai
+
+SEEN = {}
+TOOL = {"type": "function", "function": {"name": "python", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+
+async def agent(base_url, api_key, sample):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": "what is 7 times 8 plus 3"}]
+    async with client:
+        if sample["stream"]:
+            stream = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[TOOL], stream=True)
+            SEEN["chunks"] = [c.model_dump(exclude_none=True) async for c in stream]
+            return 1.0
+        reply = await client.chat.completions.create(model="policy", messages=messages,
+                                                     tools=[TOOL])
+        message = reply.choices[0].message
+        SEEN["reply"] = (message.content, [(c.function.name, json.loads(c.function.arguments))
+                                           for c in message.tool_calls or []],
+                         reply.choices[0].finish_reason)
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "59"}]
+        await client.chat.completions.create(model="policy", messages=messages, tools=[TOOL])
+    return 1.0
+'''
+
+
+def test_a_vllm_tool_parser_turns_the_template_s_tool_format_into_tool_calls(tmp_path):
+    """environment.agent.tool_parser=hermes on a byte-level BPE tokenizer whose chat template
+    has hermes' tool format: the generated <tool_call> block comes back as an OpenAI tool call
+    (vLLM's own Hermes2ProToolParser), the content without it; the agent's tool call sent back
+    renders to the generated ids (no mismatch); streamed, no chunk leaks the markup before the
+    parser saw the whole turn."""
+    from rlhf_megatron.testing.tiny_models import train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(tmp_path / "tok")
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # added, not special: as in Qwen2.5's
+    tok.chat_template = HERMES_TEMPLATE
+    chat = ChatFormat(tok)
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(7 * 8 + 3)"}}\n</tool_call>'
+    policy = ScriptedPolicy(chat, lambda turn, choice: call if turn == 0 else "59")
+    agent_file = tmp_path / "agent.py"
+    agent_file.write_text(HERMES_AGENT)
+    spec = f"{agent_file}:agent"
+    cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=60, tool_parser="hermes"),
+                            max_turns=3, max_tokens_per_turn=64, max_tokens_per_episode=160)
+    agent = load_agent(spec)
+    runner = AgentRunner(agent, cfg, chat, policy, SAMPLING)
+    episodes = asyncio.run(runner.run_async([{"stream": False}, {"stream": True}]))
+    metrics = runner.metrics(episodes)
+    seen = agent.__globals__["SEEN"]
+    content, calls, finish = seen["reply"]
+    assert calls == [("python", {"code": "print(7 * 8 + 3)"})] and finish == "tool_calls"
+    assert not content, content
+    assert episodes[0].turns == 2 and metrics["agent/failed_frac"] == 0
+    assert episodes[0].env.text_mismatches == episodes[0].env.token_mismatches == 0
+    streamed = [c["choices"][0] for c in seen["chunks"] if c.get("choices")]
+    assert "tool_call" not in "".join(c["delta"].get("content") or "" for c in streamed)
+    assert [c["delta"]["tool_calls"][0]["function"]["name"] for c in streamed
+            if c["delta"].get("tool_calls")] == ["python"]
+    assert streamed[-1]["finish_reason"] == "tool_calls"
