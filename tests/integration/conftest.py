@@ -102,23 +102,25 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
 # xdist's own reordering by test count switched off). Files go out in collection order, so the
 # longest go first and the unit files fill the end: a long file that started last would run on
 # one worker while the other sat idle. Seconds per file, measured in `make test` on the 2-core
-# machine (2 workers, session 24's `make test` with bytecode cached; a file not listed, under
-# 15 s, keeps its place among the short ones).
+# machine (2 workers, session 25's fresh-clone `make test`, bytecode cached and Megatron's
+# compiles deferred; a file not listed, under 15 s, keeps its place among the short ones).
 FILE_SECONDS = {
-    "test_async_e2e.py": 293, "test_off_policy_modes.py": 178, "test_reliability.py": 158,
-    "test_controller_e2e.py": 150, "test_controller_faults.py": 146, "test_slurm_train.py": 144,
-    "test_context_parallel_grpo.py": 142, "test_episodes_e2e.py": 135, "test_real_model.py": 129,
-    "test_moe_parity.py": 115, "test_offline_e2e.py": 112, "test_controller_learning.py": 108,
-    "test_agent_e2e.py": 106, "test_gpu_check_small.py": 98, "test_actor_engine.py": 89,
-    "test_refit.py": 88, "test_episodes_async_e2e.py": 83, "test_logprob_drift_e2e.py": 78,
-    "test_slurm_launch.py": 75, "test_moe_refit.py": 74, "test_convert_cli.py": 68,
-    "test_async_rollout.py": 66, "test_dapo_e2e.py": 58, "test_verify_bf16_checkpoint.py": 53,
-    "test_layout_parity.py": 46, "test_moe_grpo_e2e.py": 44, "test_engine_state.py": 40,
-    "test_multirank_harness.py": 39, "test_resume_other_layout.py": 36,
-    "test_sampled_distribution.py": 34, "test_lora_engine.py": 34, "test_critic_reward.py": 32,
-    "test_rope_scaling_parity.py": 32, "test_train_from_checkpoint.py": 32,
-    "test_context_parallel.py": 31, "test_cpu_shims.py": 25, "test_conversion_memory.py": 20,
-    "test_chunked_logprobs.py": 19, "test_actor_loss_terms.py": 19, "test_lora_parity.py": 18,
+    "test_async_e2e.py": 235, "test_context_parallel_grpo.py": 136,
+    "test_off_policy_modes.py": 135, "test_episodes_e2e.py": 121, "test_controller_faults.py": 114,
+    "test_offline_e2e.py": 111, "test_controller_e2e.py": 110, "test_slurm_train.py": 108,
+    "test_real_model.py": 106, "test_moe_parity.py": 97, "test_controller_learning.py": 96,
+    "test_reliability.py": 81, "test_agent_e2e.py": 79, "test_dapo_e2e.py": 76,
+    "test_refit.py": 76, "test_gpu_check_small.py": 75, "test_slurm_launch.py": 72,
+    "test_episodes_async_e2e.py": 71, "test_async_rollout.py": 65,
+    "test_resume_other_layout.py": 64, "test_convert_cli.py": 61, "test_layout_parity.py": 56,
+    "test_multirank_harness.py": 53, "test_moe_grpo_e2e.py": 51, "test_moe_refit.py": 50,
+    "test_logprob_drift_e2e.py": 49, "test_actor_engine.py": 46,
+    "test_verify_bf16_checkpoint.py": 45, "test_train_from_checkpoint.py": 44,
+    "test_sampled_distribution.py": 38, "test_lora_engine.py": 36, "test_critic_reward.py": 34,
+    "test_conversion_memory.py": 33, "test_cpu_shims.py": 33, "test_context_parallel.py": 32,
+    "test_engine_state.py": 29, "test_moe_replay.py": 28, "test_rope_scaling_parity.py": 26,
+    "test_chunked_logprobs.py": 23, "test_actor_loss_terms.py": 22, "test_vllm_rollout.py": 16,
+    "test_planner_param_count.py": 15,
 }
 
 
