@@ -32,10 +32,21 @@ TRAINER_PID=""
 log() { printf '[launch %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
+# The pids below $1 (its children, theirs, ...).
+descendants() {
+    local child
+    for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+        echo "$child"
+        descendants "$child"
+    done
+}
+
 # SIGTERM the trainer's process group and `ray start --block` (which stops its Ray processes),
-# SIGKILL what is left after STOP_GRACE_S; the script exits with the status it had.
+# SIGKILL what is left after STOP_GRACE_S, Ray's own processes included (read before the stop: a
+# `ray start` killed mid-stop under load once left its gcs_server and raylet behind, orphaned);
+# the script exits with the status it had.
 teardown() {
-    local rc=$? pid deadline
+    local rc=$? pid deadline ray_tree=""
     trap - EXIT INT TERM
     if [[ -n "$TRAINER_PID" ]] && kill -0 "$TRAINER_PID" 2>/dev/null; then
         # The trainer alone first: on SIGTERM it saves a checkpoint after its step, with Ray up.
@@ -45,9 +56,13 @@ teardown() {
         while kill -0 "$TRAINER_PID" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
         kill -TERM -- "-$TRAINER_PID" 2>/dev/null || true  # what is left of its group
     fi
-    [[ -z "$RAY_PID" ]] || { log "stopping Ray"; kill -TERM "$RAY_PID" 2>/dev/null || true; }
+    if [[ -n "$RAY_PID" ]]; then
+        ray_tree=$(descendants "$RAY_PID")
+        log "stopping Ray"
+        kill -TERM "$RAY_PID" 2>/dev/null || true
+    fi
     deadline=$((SECONDS + STOP_GRACE_S))
-    for pid in $TRAINER_PID $RAY_PID; do
+    for pid in $TRAINER_PID $RAY_PID $ray_tree; do
         while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
         kill -KILL "$pid" 2>/dev/null || true
     done

@@ -176,18 +176,20 @@ def run_simulated_slurm(tmp_path: Path, train_cmd: list[str] | str,
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def run_local_sh(tmp_path: Path, train_cmd: list[str] | str,
-                 timeout_s: float = 90.0) -> subprocess.CompletedProcess:
-    """Run launch/local.sh with TRAIN_CMD=train_cmd on unique ports and a unique temp dir."""
+def run_local_sh(tmp_path: Path, train_cmd: list[str] | str, timeout_s: float = 90.0,
+                 ray_bin: Path = RAY_BIN, stop_grace_s: int = 20) -> subprocess.CompletedProcess:
+    """Run launch/local.sh with TRAIN_CMD=train_cmd on unique ports and a unique temp dir (and
+    `ray_bin` as its RAY, `stop_grace_s` as its STOP_GRACE_S)."""
     ports = _pick_port_env()
     node_ports = " ".join(f"--{var[4:].lower().replace('_', '-')}={ports[var]}" for var in (
         "RAY_NODE_MANAGER_PORT", "RAY_OBJECT_MANAGER_PORT", "RAY_METRICS_EXPORT_PORT",
         "RAY_DASHBOARD_AGENT_LISTEN_PORT", "RAY_DASHBOARD_AGENT_GRPC_PORT",
         "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_MIN_WORKER_PORT", "RAY_MAX_WORKER_PORT"))
     ray_tmp = tempfile.mkdtemp(prefix="rsl", dir="/tmp")
-    env = {**os.environ, TAG_VAR: uuid.uuid4().hex, "RAY": str(RAY_BIN),
+    env = {**os.environ, TAG_VAR: uuid.uuid4().hex, "RAY": str(ray_bin),
            "PYTHON": sys.executable, "NUM_CPUS": "1", "RAY_TEMP_DIR": ray_tmp,
-           "LOG_DIR": str(tmp_path / "logs"), "STOP_GRACE_S": "20", "OMP_NUM_THREADS": "1",
+           "LOG_DIR": str(tmp_path / "logs"), "STOP_GRACE_S": str(stop_grace_s),
+           "OMP_NUM_THREADS": "1",
            "RAY_START_ARGS": f"--include-dashboard=false --object-store-memory=80000000 "
                              f"{node_ports}",
            "TRAIN_CMD": train_cmd if isinstance(train_cmd, str) else shlex.join(train_cmd),
