@@ -10,8 +10,8 @@ event loop; the endpoint, the engine and the trainer never run the agent's code.
 A pool is started at the first rollout that needs it and kept for the life of the process that
 owns the engine (one per agent path, kwargs and size), so a step pays no process start. A
 process that dies fails the episodes it was running (reward 0, logged once each, as for an agent
-that raised) and is started again for the next ones. A process ends when its pipe closes: when
-the pool is closed, or when its owner dies, even by kill -9.
+that raised) and is started again for the next ones. A process ends when the pool is closed
+(a stop message), or when its pipe closes because its owner died, even by kill -9.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ class AgentProcessPool:
         self.spec, self.kwargs = spec, dict(kwargs)
         self.slots: list[_Process | None] = [None] * processes
         self.jobs = itertools.count()
-        self.turn = itertools.count()
+        """Job numbers; job j goes to slot j mod processes (round-robin)."""
         self.lock = threading.Lock()
 
     def submit(self, base_url: str, api_key: str, sample: dict[str, Any]
@@ -188,7 +188,7 @@ class AgentProcessPool:
         but a number or None) or raises AgentFailed; cancelling it cancels the agent."""
         with self.lock:
             job = next(self.jobs)
-            proc = self._process(next(self.turn) % len(self.slots))
+            proc = self._process(job % len(self.slots))
             future = proc.pending[job] = _JobFuture(job, proc)
         try:
             proc.send(("run", job, base_url, api_key, sample))

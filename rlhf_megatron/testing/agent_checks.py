@@ -159,14 +159,14 @@ def agent_endpoint_checks(engine: Any, hf_dir: str, work_dir: str, weights: dict
         cfg = EnvironmentConfig(agent=AgentConfig(path=spec, timeout_seconds=timeout),
                                 max_turns=4, max_tokens_per_turn=12, max_tokens_per_episode=120)
         turns: list[tuple[int, list[int]]] = []
-        choice_ids: dict[int, list[int]] = {}  # the "choices" episode's first request
+        first_turns: dict[tuple[int, int], list[int]] = {}  # (episode, choice) -> ids
 
-        async def recording(e, max_tokens, options=NO_OPTIONS, turns=turns, ids=choice_ids):
+        async def recording(e, max_tokens, options=NO_OPTIONS, turns=turns, ids=first_turns):
             result = await generate(e, max_tokens, options)
             if options.choice == 0:
                 turns.append((e.sample_index, list(result.token_ids)))
             if e.turns == 0:
-                ids[options.choice] = list(result.token_ids)
+                ids[(e.sample_index, options.choice)] = list(result.token_ids)
             return result
 
         agent = load_agent(spec)
@@ -183,7 +183,9 @@ def agent_endpoint_checks(engine: Any, hf_dir: str, work_dir: str, weights: dict
                                        for e in episodes],
                      "kept_ids": [[i for i, m in zip(e.ids, e.loss_mask) if m] for e in episodes],
                      "statuses": dict(log.get("statuses", {})),
-                     "choices": {**log.get("choice_log", {}), "ids": dict(choice_ids)}}
+                     "choices": {**log.get("choice_log", {}), "ids": {
+                         choice: ids for (episode, choice), ids in first_turns.items()
+                         if prompts[episode] == "choices"}}}
     out["spanning"] = _spanning_a_refit(engine, tok, agent_file, sampling, weights)
     return out
 

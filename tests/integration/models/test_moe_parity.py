@@ -168,7 +168,8 @@ def _run_all(hf_dirs: list[str]) -> dict:
             results[(arch_dir, layout.name)] = _check_layout(
                 arch_dir, layout.tp, layout.pp, layout.ep, _hf_logits(arch_dir))
             results[(arch_dir, layout.name)]["gloo_threads"] = _gloo_threads(first)
-            first = results[(arch_dir, layout.name)]["gloo_threads"] if first is None else first
+            if first is None:
+                first = results[(arch_dir, layout.name)]["gloo_threads"]
     return results
 
 
