@@ -2,7 +2,7 @@
 
 Importing the package is cheap: it defines the version and defers Megatron-Core's torch.compile
 decorations to their first call (lazy_compile.py: a finder for the first import of megatron.core,
-~1 s of CPU less in every process that imports it). Heavy dependencies (megatron-core, vLLM, Ray)
+~0.75 s less in every process that imports it). Heavy dependencies (megatron-core, vLLM, Ray)
 are imported by the sub-packages that need them.
 """
 
