@@ -24,8 +24,9 @@ well above the noise of a policy that does not learn (one step's mean over 256 s
 standard deviation of ~0.013 at p = 0.045, a 10-step window ~0.004).
 
 Offload, per step summed over the two ranks: bytes moved 0.92 MB at step 1 (params + grads),
-1.85 MB after (+ Adam's moments); resident memory (RSS after malloc_trim) dropped by 45% of that
-at step 1 and 87-94% after, and rose by 96-100% at onload.
+1.85 MB after (+ Adam's moments); resident memory (anonymous RSS after malloc_trim,
+Platform.resident_bytes) dropped by 45% of that at step 1 and 87-94% after, and rose by 96-100%
+at onload.
 """
 
 from __future__ import annotations
