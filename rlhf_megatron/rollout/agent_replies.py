@@ -82,25 +82,53 @@ class TextStream:
     is safe to send. It holds back the last character (a tokenizer may still merge or clean it
     up), a partial UTF-8 character, and anything that could still become a ``stop`` string, and
     sends nothing from the first ``stop`` string on, so what it sent is a prefix of the final
-    text (:func:`cut_at_stop` of the whole decode)."""
+    text (:func:`cut_at_stop` of the whole decode).
+
+    Each push decodes only the ids since the last decoded one, behind CONTEXT ids already
+    decoded (the text they add is the difference of the two decodes: a decoder that drops a
+    leading space or starts mid-character does so in both), so a turn of n tokens costs O(n)
+    decoding, not O(n^2) (vLLM's incremental detokenizer works from the same two offsets)."""
+
+    CONTEXT = 4
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
         self.tokenizer, self.stop = tokenizer, [x for x in stop if x]
         self.hold = max((len(x) for x in self.stop), default=1)
         self.ids: list[int] = []
+        self.decoded = 0  # ids[:decoded] are in `text`
+        self.text = ""
         self.sent = ""
+        self.diverged = False  # what was sent is no prefix of the text: send nothing more
 
     def push(self, ids: Sequence[int]) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a character split across tokens
+        if not self._decode_new():
             return ""
-        cuts = [text.find(x) for x in self.stop if x in text]
-        safe = text[:min(cuts)] if cuts else text[:max(len(text) - self.hold, 0)]
-        if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
+        # A stop string can start no earlier than `hold` characters before what was sent.
+        start = max(len(self.sent) - self.hold, 0)
+        cuts = [i for i in (self.text.find(x, start) for x in self.stop) if i >= 0]
+        safe_end = min(cuts) if cuts else max(len(self.text) - self.hold, 0)
+        if safe_end <= len(self.sent):
             return ""
-        piece, self.sent = safe[len(self.sent):], safe
+        piece = self.text[len(self.sent):safe_end]
+        self.sent += piece
         return piece
+
+    def _decode_new(self) -> bool:
+        """Bring `text` up to every id; False while the ids end in a partial character, or once
+        the text no longer extends what was sent (:meth:`rest` then sends nothing more)."""
+        anchor = max(self.decoded - self.CONTEXT, 0)
+        before = self.tokenizer.decode(self.ids[anchor:self.decoded], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[anchor:], skip_special_tokens=True)
+        if after.endswith("\ufffd"):
+            return False
+        if after.startswith(before):
+            self.text += after[len(before):]
+        else:  # a decoder that cleans up across the window's edge (rare): the whole turn again
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            self.diverged = self.diverged or not self.text.startswith(self.sent)
+        self.decoded = len(self.ids)
+        return not self.diverged
 
     def rest(self, final: str) -> str:
         """What is left to send of the ``final`` text ('' if what was sent is not its prefix,
