@@ -2,9 +2,15 @@
 
     results = run_on_ranks(my_check, world_size=2, args=(tmp_path,))
 
-Each rank is a fresh `spawn` process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-MASTER_PORT set, OMP_NUM_THREADS=1 (ranks share the cores), and the default process group already
-initialised. A failure on any rank is re-raised here with that rank's traceback; a rank that hangs
+Each rank is a fresh process with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
+set, OMP_NUM_THREADS=1 (ranks share the cores), and the default process group already initialised.
+
+The ranks fork from a server process that imported torch, Megatron-Core, transformers and this
+package's engines once (multiprocessing's `forkserver`, PRELOAD), instead of each `spawn` importing
+them again: ~3 CPU-s a rank on the 2-core machine, where the suite starts ~100 ranks. A rank gets
+the caller's environment and sys.path as a spawned one does. Imports read some variables once (torch
+its instruction-set cap, ATEN_CPU_CAPABILITY), so a call whose environment differs from the
+server's at its start (PYTEST_* aside), or that passes `env`, spawns its ranks as before. A failure on any rank is re-raised here with that rank's traceback; a rank that hangs
 or dies is reported, never waited on forever. `timeout_s` counts from the moment that rank has
 started (imports and process group done), so a loaded machine's slow spawn does not eat a rank's
 budget; start-up itself is bounded by START_UP_LIMIT_S.
@@ -38,10 +44,42 @@ def find_free_port() -> int:
     return free_port()
 
 
+# What the fork server imports once; rlhf_megatron first, so Megatron's compiles are deferred
+# (rlhf_megatron/lazy_compile.py) as in any process of the package.
+PRELOAD = ["rlhf_megatron.testing.multirank", "torch.distributed", "rlhf_megatron.parallel",
+           "rlhf_megatron.models", "rlhf_megatron.engines.actor", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.distributed",
+           "megatron.core.dist_checkpointing", "transformers.modeling_utils",
+           "transformers.models.llama.modeling_llama", "safetensors.torch"]
+_server_environment: dict[str, str] | None = None  # os.environ when the fork server started
+
+
+def _environment() -> dict[str, str]:
+    """os.environ but pytest's per-test variables, which no import reads."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+
+
+def _context(env: dict[str, str] | None) -> Any:
+    """The preloaded fork server, or `spawn` where its imports could differ (module docstring)."""
+    global _server_environment
+    if env:
+        return mp.get_context("spawn")
+    if _server_environment is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _server_environment = _environment()
+        return ctx
+    return mp.get_context("forkserver" if _environment() == _server_environment else "spawn")
+
+
 def _rank_main(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
-    env: dict[str, str], results: Any, init_distributed: bool = True,
+    fn: Callable[..., Any], caller_env: dict[str, str], rank: int, world_size: int, port: int,
+    args: Sequence[Any], env: dict[str, str], results: Any, init_distributed: bool = True,
 ) -> None:
+    # A forked rank starts from the server's environment (multiprocessing gives it the caller's
+    # sys.path, as to a spawned one): take the caller's.
+    os.environ.clear()
+    os.environ.update(caller_env)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -86,14 +124,14 @@ def run_on_ranks(
     init_distributed=False leaves torch.distributed alone (e.g. for a process that hosts vLLM,
     which brings its own process group).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(env)
     results = ctx.Queue()
     port = find_free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, tuple(args), dict(env or {}), results,
-                  init_distributed),
+            args=(fn, dict(os.environ), rank, world_size, port, tuple(args), dict(env or {}),
+                  results, init_distributed),
             daemon=False,
         )
         for rank in range(world_size)
@@ -116,8 +154,10 @@ def run_on_ranks(
             if status == "error":
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{value}")
             outcomes[rank] = pickle.loads(value)
-    finally:
-        _stop(procs)
+    except BaseException:
+        _stop(procs, grace_s=0)  # a failed job's other ranks may wait on it forever
+        raise
+    _stop(procs)
     return [outcomes[rank] for rank in range(world_size)]
 
 
@@ -139,9 +179,9 @@ def _check_dead_or_late(
         raise RankFailure(f"ranks {late} did not finish within {timeout_s:.0f} s")
 
 
-def _stop(procs: list[Any]) -> None:
+def _stop(procs: list[Any], grace_s: float = 10) -> None:
     for proc in procs:
-        proc.join(timeout=10)
+        proc.join(timeout=grace_s)
     for proc in procs:
         if proc.is_alive():
             proc.kill()

@@ -1,6 +1,9 @@
-"""The multi-rank runner: results in rank order, rank tracebacks re-raised, hangs bounded."""
+"""The multi-rank runner: results in rank order, rank tracebacks re-raised, hangs bounded; ranks
+fork from the preloaded server with the caller's sys.path and environment, and spawn where the
+environment changed since the server started."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -62,3 +65,50 @@ def test_a_hanging_rank_times_out_instead_of_hanging():
 def test_a_rank_that_dies_is_reported():
     with pytest.raises(RankFailure, match="rank 1 exited with code 3 without a result"):
         run_on_ranks(_rank_one_exits, 2, timeout_s=120)
+
+
+# ---------------------------------------------------------------- the preloaded fork server
+def _rank_origin():
+    import sys
+
+    import torch
+
+    return {"parent": os.getppid(), "gpt_preloaded": "megatron.core.models.gpt" in sys.modules,
+            "isa": torch.backends.cpu.get_cpu_capability(), "mark": os.environ.get("RANK_MARK"),
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
+
+
+def test_ranks_fork_from_the_preloaded_server_with_the_callers_path(tmp_path, monkeypatch):
+    # The server starts here unless an earlier job started it; either way under another value
+    # of pytest's per-test variable than the caller's below, which the ranks must see.
+    with monkeypatch.context() as patch:
+        patch.setenv("PYTEST_CURRENT_TEST", "another test")
+        run_on_ranks(_rank_origin, 1, timeout_s=120)
+    # The job's module is importable only through a sys.path entry added after the server
+    # started: the ranks must take the caller's sys.path.
+    (tmp_path / "late_module.py").write_text(
+        "import os\ndef job():\n    return os.getppid()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import late_module
+
+        parents = run_on_ranks(late_module.job, 2, timeout_s=120)
+    finally:
+        sys.path.remove(str(tmp_path))
+    (origin,) = run_on_ranks(_rank_origin, 1, timeout_s=120)
+    assert origin["gpt_preloaded"] and origin["parent"] != os.getpid(), origin
+    # The caller's environment now, not the server's at its start (another test's).
+    assert "test_ranks_fork_from_the_preloaded_server" in origin["test"], origin
+    assert parents == [origin["parent"]] * 2  # both ranks forked by the one server
+
+
+def test_a_changed_environment_spawns_ranks_that_import_under_it(monkeypatch):
+    # torch reads ATEN_CPU_CAPABILITY once, at import: a rank forked from the server, which
+    # imported torch without the cap, would run at the machine's own ISA (AVX-512 here).
+    run_on_ranks(_rank_origin, 1, timeout_s=120)  # the server is up
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("RANK_MARK", "spawned")
+    (origin,) = run_on_ranks(_rank_origin, 1, timeout_s=120)
+    del origin["test"]
+    assert origin == {"parent": os.getpid(), "gpt_preloaded": False, "isa": "AVX2",
+                      "mark": "spawned"}, origin
