@@ -204,10 +204,28 @@ def last_line(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------- one Ray cluster, many runs
+# A test head runs no autoscaler monitor (its one node is all there is) and no log monitor (the
+# runs that join it print to their own stderr; their workers' output stays in the session's log
+# files), and prestarts no idle workers (a run's workers start with its own runtime env, so they
+# never took them): each of those took ~0.5-1.3 % of a core for the whole suite (session 26's
+# profile of a CI run: ~25 CPU-s a head for the log monitor, ~9 for each idle worker), and a
+# `make test` keeps two or three heads up.
 _HEAD_SCRIPT = """
 import sys, ray
+from ray._private import parameter
+
+_init = parameter.RayParams.__init__
+
+
+def _quiet(self, *args, **kwargs):
+    _init(self, *args, **{**kwargs, "no_monitor": True, "include_log_monitor": False})
+
+
+parameter.RayParams.__init__ = _quiet
 context = ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
-                   configure_logging=False)
+                   configure_logging=False,
+                   _system_config={"enable_worker_prestart": False,
+                                   "prestart_worker_first_driver": False})
 print("SESSION", context.address_info["session_dir"], flush=True)
 print("ADDRESS", context.address_info["gcs_address"], flush=True)
 sys.stdin.read()  # until the test module closes our stdin
