@@ -206,9 +206,9 @@ def last_line(text: str) -> str:
 # ---------------------------------------------------------------------------- one Ray cluster, many runs
 # A test head runs no autoscaler monitor (its one node is all there is) and no log monitor (the
 # runs that join it print to their own stderr; their workers' output stays in the session's log
-# files), and prestarts no idle workers (a run's workers start with its own runtime env, so they
-# never took them): each of those took ~0.5-1.3 % of a core for the whole suite (session 26's
-# profile of a CI run: ~25 CPU-s a head for the log monitor, ~9 for each idle worker), and a
+# files), and prestarts no workers for its own driver, which runs nothing (they sat idle all
+# along): each of those took ~0.2-1.4 % of a core for the whole suite (session 26's profile of a
+# CI run: ~20-24 CPU-s a head for the log monitor, ~9 for each of its two idle workers), and a
 # `make test` keeps two or three heads up.
 _HEAD_SCRIPT = """
 import sys, ray
@@ -224,8 +224,7 @@ def _quiet(self, *args, **kwargs):
 parameter.RayParams.__init__ = _quiet
 context = ray.init(num_cpus=int(sys.argv[1]), include_dashboard=False, log_to_driver=False,
                    configure_logging=False,
-                   _system_config={"enable_worker_prestart": False,
-                                   "prestart_worker_first_driver": False})
+                   _system_config={"prestart_worker_first_driver": False})
 print("SESSION", context.address_info["session_dir"], flush=True)
 print("ADDRESS", context.address_info["gcs_address"], flush=True)
 sys.stdin.read()  # until the test module closes our stdin
