@@ -102,25 +102,29 @@ SLOW = {  # trainer runs end to end, learning runs, multi-rank walks of many lay
 # xdist's own reordering by test count switched off). Files go out in collection order, so the
 # longest go first and the unit files fill the end: a long file that started last would run on
 # one worker while the other sat idle. Seconds per file, measured in `make test` on the 2-core
-# machine (2 workers, session 25's fresh-clone `make test`, bytecode cached and Megatron's
-# compiles deferred; a file not listed, under 15 s, keeps its place among the short ones).
+# machine (2 workers, session 26's second fresh-clone `make test`, ranks forked from the preloaded
+# server of rlhf_megatron/testing/multirank.py, in one of the machine's slow spells: the same
+# import took 2.0 CPU-s before the run and 3.1-4.5 after; only the order matters here; a file not
+# listed, under 15 s, keeps its place among the short ones).
 FILE_SECONDS = {
-    "test_async_e2e.py": 235, "test_context_parallel_grpo.py": 136,
-    "test_off_policy_modes.py": 135, "test_episodes_e2e.py": 121, "test_controller_faults.py": 114,
-    "test_offline_e2e.py": 111, "test_controller_e2e.py": 110, "test_slurm_train.py": 108,
-    "test_real_model.py": 106, "test_moe_parity.py": 97, "test_controller_learning.py": 96,
-    "test_reliability.py": 81, "test_agent_e2e.py": 79, "test_dapo_e2e.py": 76,
-    "test_refit.py": 76, "test_gpu_check_small.py": 75, "test_slurm_launch.py": 72,
-    "test_episodes_async_e2e.py": 71, "test_async_rollout.py": 65,
-    "test_resume_other_layout.py": 64, "test_convert_cli.py": 61, "test_layout_parity.py": 56,
-    "test_multirank_harness.py": 53, "test_moe_grpo_e2e.py": 51, "test_moe_refit.py": 50,
-    "test_logprob_drift_e2e.py": 49, "test_actor_engine.py": 46,
-    "test_verify_bf16_checkpoint.py": 45, "test_train_from_checkpoint.py": 44,
-    "test_sampled_distribution.py": 38, "test_lora_engine.py": 36, "test_critic_reward.py": 34,
-    "test_conversion_memory.py": 33, "test_cpu_shims.py": 33, "test_context_parallel.py": 32,
-    "test_engine_state.py": 29, "test_moe_replay.py": 28, "test_rope_scaling_parity.py": 26,
-    "test_chunked_logprobs.py": 23, "test_actor_loss_terms.py": 22, "test_vllm_rollout.py": 16,
-    "test_planner_param_count.py": 15,
+    "test_async_e2e.py": 274, "test_episodes_e2e.py": 164, "test_controller_faults.py": 149,
+    "test_context_parallel_grpo.py": 140, "test_off_policy_modes.py": 129,
+    "test_slurm_train.py": 124, "test_reliability.py": 123, "test_real_model.py": 122,
+    "test_controller_e2e.py": 120, "test_controller_learning.py": 110,
+    "test_gpu_check_small.py": 108, "test_moe_parity.py": 101, "test_offline_e2e.py": 99,
+    "test_slurm_launch.py": 98, "test_convert_cli.py": 96, "test_agent_e2e.py": 83,
+    "test_actor_engine.py": 81, "test_logprob_drift_e2e.py": 78, "test_episodes_async_e2e.py": 73,
+    "test_refit.py": 73, "test_moe_refit.py": 67, "test_resume_other_layout.py": 65,
+    "test_moe_grpo_e2e.py": 64, "test_dapo_e2e.py": 64, "test_critic_reward.py": 62,
+    "test_async_rollout.py": 59, "test_verify_bf16_checkpoint.py": 58, "test_lora_engine.py": 54,
+    "test_moe_replay.py": 52, "test_sampled_distribution.py": 51, "test_engine_state.py": 51,
+    "test_context_parallel.py": 49, "test_rope_scaling_parity.py": 48, "test_cpu_shims.py": 46,
+    "test_train_from_checkpoint.py": 46, "test_chunked_logprobs.py": 32,
+    "test_mla_refit_hf.py": 30, "test_layout_parity.py": 27, "test_actor_loss_terms.py": 24,
+    "test_fanout_deaths.py": 23, "test_vllm_rollout.py": 23, "test_multirank_harness.py": 22,
+    "test_agent_processes.py": 19, "test_conversion_memory.py": 19, "test_lora_parity.py": 18,
+    "test_engine_checkpoint_interop.py": 18, "test_planner_param_count.py": 18,
+    "test_sdpa_attention.py": 17,
 }
 
 
