@@ -243,8 +243,10 @@ def _refusing(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def run_spawned(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
-    """fn(*args) in a fresh spawned process that refuses vLLM/Ray imports (its own CUDA context
-    and memory statistics); returns its result or raises with the child's traceback."""
+    """fn(*args) in a fresh process that refuses vLLM/Ray imports (its own CUDA context and
+    memory statistics; run_on_ranks spawns it under a CUDA build of torch, and forks it from its
+    preloaded server on a CPU build); returns its result or raises with the child's
+    traceback."""
     from rlhf_megatron.testing.multirank import run_on_ranks
 
     (result,) = run_on_ranks(_refusing, 1, (fn, *args), timeout_s=timeout_s,

@@ -7,13 +7,17 @@ set, OMP_NUM_THREADS=1 (ranks share the cores), and the default process group al
 
 The ranks fork from a server process that imported torch, Megatron-Core, transformers and this
 package's engines once (multiprocessing's `forkserver`, PRELOAD), instead of each `spawn` importing
-them again: ~3 CPU-s a rank on the 2-core machine, where the suite starts ~100 ranks. A rank gets
-the caller's environment and sys.path as a spawned one does. Imports read some variables once (torch
-its instruction-set cap, ATEN_CPU_CAPABILITY), so a call whose environment differs from the
-server's at its start (PYTEST_* aside), or that passes `env`, spawns its ranks as before. A failure on any rank is re-raised here with that rank's traceback; a rank that hangs
-or dies is reported, never waited on forever. `timeout_s` counts from the moment that rank has
-started (imports and process group done), so a loaded machine's slow spawn does not eat a rank's
-budget; start-up itself is bounded by START_UP_LIMIT_S.
+them again: ~2.5 CPU-s a rank on the 2-core machine, where the suite starts ~100 ranks. A rank
+gets the caller's environment, sys.path and working directory. Imports read some variables once
+(torch its instruction-set cap, ATEN_CPU_CAPABILITY), so a call whose environment differs from
+the server's at its start (PYTEST_* aside), or that passes `env`, spawns its ranks as before; so
+does every call under a CUDA build of torch (the GPU check's), where an import that asks about
+the device could leave CUDA state that a forked process cannot use.
+
+A failure on any rank is re-raised here with that rank's traceback (its other ranks are killed at
+once); a rank that hangs or dies is reported, never waited on forever. `timeout_s` counts from the
+moment that rank has started (imports and process group done), so a loaded machine's slow spawn
+does not eat a rank's budget; start-up itself is bounded by START_UP_LIMIT_S.
 """
 
 from __future__ import annotations
@@ -60,9 +64,12 @@ def _environment() -> dict[str, str]:
 
 
 def _context(env: dict[str, str] | None) -> Any:
-    """The preloaded fork server, or `spawn` where its imports could differ (module docstring)."""
+    """The preloaded fork server, or `spawn` where its imports could differ or CUDA is in reach
+    (module docstring)."""
+    import torch
+
     global _server_environment
-    if env:
+    if env or torch.version.cuda is not None:
         return mp.get_context("spawn")
     if _server_environment is None:
         ctx = mp.get_context("forkserver")
