@@ -9,8 +9,8 @@ The ranks fork from a server process that imported torch, Megatron-Core, transfo
 package's engines once (multiprocessing's `forkserver`, PRELOAD), instead of each `spawn` importing
 them again: ~2.5 CPU-s a rank on the 2-core machine, where the suite starts ~100 ranks. A rank
 gets the caller's environment, sys.path and working directory. Imports read some variables once
-(torch its instruction-set cap, ATEN_CPU_CAPABILITY), so a call whose environment differs from
-the server's at its start (PYTEST_* aside), or that passes `env`, spawns its ranks as before; so
+(torch its instruction-set cap, ATEN_CPU_CAPABILITY), so a call where one of those differs from
+the server's at its start (_IMPORT_TIME_PREFIXES), or that passes `env`, spawns its ranks; so
 does every call under a CUDA build of torch (the GPU check's), where an import that asks about
 the device could leave CUDA state that a forked process cannot use.
 
@@ -58,9 +58,20 @@ PRELOAD = ["rlhf_megatron.testing.multirank", "torch.distributed", "rlhf_megatro
 _server_environment: dict[str, str] | None = None  # os.environ when the fork server started
 
 
+# The variables the preloaded imports may read once (torch's and its libraries' ISA caps and
+# threads, CUDA, transformers' and Hugging Face's switches, this package's device choice, the
+# interpreter's own): a rank forks only while these equal the server's. The rest of the caller's
+# environment is applied at the rank's start, before anything else is imported: a long pytest
+# process collects others (Ray's and vLLM's, tests' own), and comparing all of them made every
+# later job in session 26's CI spawn.
+_IMPORT_TIME_PREFIXES = ("ATEN_", "MKL_", "ONEDNN_", "DNNL_", "OMP_", "KMP_", "TORCH", "PYTORCH_",
+                         "CUDA_", "NVTE_", "HF_", "TRANSFORMERS_", "USE_", "PYTHON", "LD_",
+                         "RLHF_MEGATRON_", "MEGATRON")
+
+
 def _environment() -> dict[str, str]:
-    """os.environ but pytest's per-test variables, which no import reads."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    """The part of os.environ that the preloaded imports may have read."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_PREFIXES)}
 
 
 def _context(env: dict[str, str] | None) -> Any:

@@ -95,8 +95,12 @@ def test_ranks_fork_from_the_preloaded_server_with_the_callers_path(tmp_path, mo
         parents = run_on_ranks(late_module.job, 2, timeout_s=120)
     finally:
         sys.path.remove(str(tmp_path))
+    # A variable no preloaded import reads (as Ray's, vLLM's and tests' own, which a long pytest
+    # process collects) still lets ranks fork, and reaches them.
+    monkeypatch.setenv("RANK_MARK", "forked")
     (origin,) = run_on_ranks(_rank_origin, 1, timeout_s=120)
     assert origin["gpt_preloaded"] and origin["parent"] != os.getpid(), origin
+    assert origin["mark"] == "forked", origin
     # The caller's environment now, not the server's at its start (another test's).
     assert "test_ranks_fork_from_the_preloaded_server" in origin["test"], origin
     assert parents == [origin["parent"]] * 2  # both ranks forked by the one server
