@@ -9,6 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from rlhf_megatron.testing import multirank
 from rlhf_megatron.testing.multirank import RankFailure, run_on_ranks
 
 
@@ -84,6 +85,14 @@ def test_ranks_fork_from_the_preloaded_server_with_the_callers_path(tmp_path, mo
     with monkeypatch.context() as patch:
         patch.setenv("PYTEST_CURRENT_TEST", "another test")
         run_on_ranks(_rank_origin, 1, timeout_s=120)
+    # Earlier tests of this pytest process may have changed a variable the server's imports read
+    # (and their jobs rightly spawned): put those back as the server had them.
+    server = multirank._server_environment
+    for key in set(multirank._environment()) | set(server):
+        if key in server:
+            monkeypatch.setenv(key, server[key])
+        else:
+            monkeypatch.delenv(key)
     # The job's module is importable only through a sys.path entry added after the server
     # started: the ranks must take the caller's sys.path.
     (tmp_path / "late_module.py").write_text(
