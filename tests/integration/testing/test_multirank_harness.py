@@ -1,6 +1,6 @@
 """The multi-rank runner: results in rank order, rank tracebacks re-raised, hangs bounded; ranks
-fork from the preloaded server with the caller's sys.path and environment, and spawn where the
-environment changed since the server started."""
+fork from the preloaded server with the caller's sys.path and environment, and spawn where a
+variable the server's imports read changed since it started."""
 
 import os
 import sys
@@ -70,8 +70,6 @@ def test_a_rank_that_dies_is_reported():
 
 # ---------------------------------------------------------------- the preloaded fork server
 def _rank_origin():
-    import sys
-
     import torch
 
     return {"parent": os.getppid(), "gpt_preloaded": "megatron.core.models.gpt" in sys.modules,
